@@ -1,0 +1,181 @@
+"""The `tritonllm` console script: `prepare` converts the default model once; `serve` runs tritonserver with
+the `llm` model and the OpenAI-compatible adapter in front of it, and stops both together; `write-repository`
+only writes the model repository, for a tritonserver run some other way (docker-compose.yml)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from backend import launcher, model_files
+
+log = logging.getLogger("tritonllm")
+
+READY_TIMEOUT_S = 600  # generous: a large model loading on a slow host
+
+# CLI option → Triton model parameter (backend/config.py EngineConfig field).
+ENGINE_OPTIONS = ("dtype", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queue_len",
+                  "block_size")
+
+
+class _Stop(Exception):
+    """SIGINT/SIGTERM arrived: unwind and stop everything."""
+
+
+def _add_option(parser: argparse.ArgumentParser, name: str, default, help: str, **argument_options) -> None:
+    """--name, defaulting to $TRITONLLM_NAME, else `default` (argparse converts a string default with `type`)."""
+    env_name = "TRITONLLM_" + name.upper().replace("-", "_")
+    parser.add_argument(f"--{name}", default=os.environ.get(env_name, default), help=f"{help} [env {env_name}]",
+                        **argument_options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tritonllm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    prepare = commands.add_parser("prepare", help="convert the default GGUF model into the cache once")
+    prepare.add_argument("--force", action="store_true", help="convert again even if already prepared")
+
+    serve = commands.add_parser("serve", help="run tritonserver and the OpenAI-compatible adapter",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_engine_options(serve)
+    _add_option(serve, "host", "127.0.0.1", "adapter bind address")
+    _add_option(serve, "port", 9000, "adapter port", type=int)
+    _add_option(serve, "triton-host", "127.0.0.1", "tritonserver bind address")
+    _add_option(serve, "http-port", 8000, "tritonserver HTTP port", type=int)
+    _add_option(serve, "grpc-port", 8001, "tritonserver gRPC port", type=int)
+    _add_option(serve, "metrics-port", 8002, "tritonserver metrics port", type=int)
+    _add_option(serve, "log-level", "info", "log level of tritonllm and the adapter",
+                choices=["critical", "error", "warning", "info", "debug"])
+    _add_option(serve, "state-dir", "", "runtime files and logs; empty for ./.state (a temp dir if unwritable)")
+
+    repository = commands.add_parser(
+        "write-repository", help="write a model repository for running tritonserver yourself (e.g. in NGC)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    repository.add_argument("repository", type=Path, help="folder to write llm/ into")
+    _add_engine_options(repository)
+    return parser
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    _add_option(parser, "model", "", "HF model directory or .gguf file; empty for the default model")
+    _add_option(parser, "dtype", "auto", "weights/activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    _add_option(parser, "kv-cache-memory", "1GiB", "memory for the paged KV cache")
+    _add_option(parser, "max-num-seqs", 64, "sequences in the running batch", type=int)
+    _add_option(parser, "max-num-batched-tokens", 512, "token budget of one engine step", type=int)
+    _add_option(parser, "max-queue-len", 256, "waiting requests before new ones are refused", type=int)
+    _add_option(parser, "block-size", 16, "tokens per KV cache block", type=int)
+
+
+def _write_repository(args: argparse.Namespace, repository: Path) -> str:
+    """Resolve (preparing if needed) the model and write the repository; returns the served model name."""
+    log.info("preparing model…")
+    model_dir = model_files.resolve_model_path(args.model)
+    log.info("model at %s", model_dir)
+    parameters = {"model_path": str(model_dir)}
+    parameters.update({name: str(getattr(args, name)) for name in ENGINE_OPTIONS})
+    launcher.write_model_repository(repository, parameters)
+    return model_files.served_model_name(model_dir)
+
+
+def _state_dir(configured: str) -> Path:
+    path = Path(configured or ".state")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path.resolve()
+    except OSError:
+        if configured:
+            raise
+        return Path(tempfile.mkdtemp(prefix="tritonllm-"))
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def prepare(args: argparse.Namespace) -> int:
+    log.info("preparing the default model…")
+    log.info("model ready at %s", model_files.prepare_default_model(force=args.force))
+    return 0
+
+
+def write_repository(args: argparse.Namespace) -> int:
+    name = _write_repository(args, args.repository)
+    log.info("wrote %s; it serves the model as %r", args.repository / launcher.MODEL_NAME, name)
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    # Interrupt any blocking step (conversion, waiting for readiness) and unwind through `finally`. While the
+    # adapter runs, uvicorn handles these signals itself and re-raises them to us once it has shut down.
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    server_died = threading.Event()
+    server = None
+    try:
+        state_dir = _state_dir(args.state_dir)
+        repository = state_dir / "model_repository"
+        model_name = _write_repository(args, repository)
+
+        server = launcher.TritonServer(repository, state_dir, host=args.triton_host, http_port=args.http_port,
+                                       grpc_port=args.grpc_port, metrics_port=args.metrics_port)
+        log.info("starting tritonserver on %s (gRPC %s), log: %s", server.http_url, server.grpc_url, server.log_path)
+        started = time.monotonic()
+        server.start()
+        server.wait_ready(READY_TIMEOUT_S)
+        log.info("model ready in %.1f s", time.monotonic() - started)
+
+        def on_server_death(returncode: int) -> None:
+            server_died.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # stops the adapter the way a user would
+
+        server.on_unexpected_exit(on_server_death)
+        _run_adapter(args, server, model_name)
+    except _Stop as stop:
+        if not server_died.is_set():
+            log.info("stopping (%s)", stop)
+    except launcher.TritonStartError as error:
+        log.error("%s", error)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+    if server_died.is_set():
+        log.error("tritonserver exited with code %s; its last log lines:\n%s",
+                  server.process.returncode, server.log_tail())
+        return 1
+    return 0
+
+
+def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_name: str) -> None:
+    from openai_adapter.app import run
+    from openai_adapter.settings import AdapterSettings
+
+    settings = AdapterSettings(triton_url=server.grpc_url, triton_model=launcher.MODEL_NAME,
+                               served_model_name=model_name)
+    log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, model_name)
+    run(settings, args.host, args.port, args.log_level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local files; never reach for the hub
+    commands = {"prepare": prepare, "serve": serve, "write-repository": write_repository}
+    try:
+        return commands[args.command](args)
+    except (FileNotFoundError, ValueError) as error:  # a bad --model or a missing tritonserver
+        log.error("%s", error)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The synchronous engine: `add_request`, `abort_request`, and `step()` = schedule → run → sample → process.
+
+Importable and testable without Triton; `EngineLoop` drives it from its own thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from backend.config import EngineConfig
+from backend.engine.block_manager import BlockManager
+from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.model_runner import ModelRunner
+from backend.engine.output_processor import OutputProcessor
+from backend.engine.sampler import Sampler
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import Request, RequestOutput, Sequence
+from backend.errors import InvalidRequest
+from backend.model_files import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
+    ids = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        started = time.monotonic()
+        self.config = config
+        self.model_dir = resolve_model_path(config.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir)
+        arch = self.runner.model.arch
+        self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.output_processor = OutputProcessor(IncrementalDetokenizer(self.tokenizer), self.eos_token_ids,
+                                                self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.ready_outputs: list[RequestOutput] = []  # produced outside step() (e.g. max_tokens=0, aborts)
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        log.info("engine ready in %.1f s: %s, max_model_len %d", time.monotonic() - started,
+                 self.model_dir, self.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model.arch.vocab_size
+
+    def add_request(self, request: Request) -> None:
+        """Tokenize, validate and queue a request. Raises InvalidRequest; the request is then not queued."""
+        if request.request_id in self.requests:
+            raise InvalidRequest(f"duplicate request id {request.request_id!r}")
+        request.prompt_token_ids = self._tokenize(request.prompt)
+        prompt_len = len(request.prompt_token_ids)
+        capacity = min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+        if prompt_len >= capacity:
+            raise InvalidRequest(f"the prompt has {prompt_len} tokens; this model accepts at most {capacity - 1}")
+        max_tokens = request.params.max_tokens
+        request.max_tokens = capacity - prompt_len if max_tokens is None else max_tokens
+        if prompt_len + request.max_tokens > capacity:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({request.max_tokens}) exceeds the context length "
+                f"of {capacity} tokens")
+        for index in range(request.params.n):
+            generator = torch.Generator(device=self.runner.device)
+            if request.params.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(request.params.seed + index)
+            request.sequences.append(Sequence(request, index, request.prompt_token_ids, generator))
+        self.requests[request.request_id] = request
+        self.num_prompt_tokens += prompt_len
+        if request.max_tokens == 0:
+            for seq in request.sequences:
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+            self._emit(request, request.sequences, self.ready_outputs)
+            return
+        for seq in request.sequences:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty")
+        return token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        live = [seq for seq in request.sequences if not seq.is_finished]
+        for seq in live:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+        self._emit(request, live, self.ready_outputs)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.ready_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self.ready_outputs = self.ready_outputs, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        logits, sample_seqs = self.runner.execute(scheduled)
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+        touched: dict[str, list[Sequence]] = {}
+        for seq, sampled in zip(sample_seqs, self.sampler(logits, sample_seqs) if sample_seqs else []):
+            self.output_processor.append_token(seq, sampled)
+            self.num_generated_tokens += 1
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched.setdefault(seq.request.request_id, []).append(seq)
+        for request_id, seqs in touched.items():
+            self._emit(self.requests[request_id], seqs, outputs)
+        return outputs
+
+    def _emit(self, request: Request, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
+        choices = [delta for delta in map(self.output_processor.take_delta, seqs) if delta is not None]
+        finished = request.finished
+        if choices or finished:
+            outputs.append(RequestOutput(
+                request.request_id, choices, len(request.prompt_token_ids),
+                min(seq.num_cached_tokens for seq in request.sequences), finished))
+        if finished:
+            del self.requests[request.request_id]
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+            "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+        }

@@ -1,0 +1,111 @@
+"""Owns the model weights and the paged KV cache; turns a scheduled batch into one forward pass."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from backend.config import EngineConfig
+from backend.engine.attention import AttentionMetadata, PrefillChunk
+from backend.engine.scheduler import ScheduledSequence
+from backend.engine.sequence import Sequence
+from backend.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} (choose from auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path):
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, self.dtype, self.device)
+        arch = self.model.arch
+        slot_shape = (arch.num_kv_heads, arch.head_dim)
+        self.bytes_per_block = (2 * arch.num_layers * self.block_size * arch.num_kv_heads * arch.head_dim
+                                * self.dtype.itemsize)
+        self.num_blocks = config.kv_cache_memory // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block "
+                             f"({self.bytes_per_block} bytes)")
+        num_slots = self.num_blocks * self.block_size
+        self.kv_caches = [
+            (torch.zeros(num_slots, *slot_shape, dtype=self.dtype, device=self.device),
+             torch.zeros(num_slots, *slot_shape, dtype=self.dtype, device=self.device))
+            for _ in range(arch.num_layers)
+        ]
+        log.info("model on %s (%s); KV cache: %d blocks of %d tokens (%.0f MiB)", self.device, self.dtype,
+                 self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
+
+    def _context_slots(self, block_tables: list[list[int]], context_len: int) -> torch.Tensor:
+        """[sequences, context_len] cache slots of positions 0..context_len-1, read through the block tables."""
+        width = -(-context_len // self.block_size)
+        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.long)
+        offsets = torch.arange(self.block_size, dtype=torch.long)
+        slots = (table.unsqueeze(-1) * self.block_size + offsets).flatten(1)
+        return slots[:, :context_len].to(self.device)
+
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one step; returns last-token logits [samples, vocab] (float32) and the sequences they belong to."""
+        # one-token queries first (batched attention), then prefill chunks (attention per chunk)
+        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for item in ordered:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table, size = seq.block_table, self.block_size
+            slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+
+        decodes = [s for s in ordered if s.num_new_tokens == 1]
+        decode_slots = decode_mask = None
+        if decodes:
+            context_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
+            max_context = int(context_lens.max())
+            decode_slots = self._context_slots([s.seq.block_table for s in decodes], max_context)
+            decode_mask = (torch.arange(max_context) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+            decode_mask = decode_mask.to(self.device)
+        prefills = []
+        row = len(decodes)
+        for item in ordered[len(decodes):]:
+            context_len = item.seq.num_computed_tokens + item.num_new_tokens
+            slots = self._context_slots([item.seq.block_table], context_len)[0]
+            prefills.append(PrefillChunk(row, item.num_new_tokens, slots))
+            row += item.num_new_tokens
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            num_decode_tokens=len(decodes), decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
+        )
+        hidden = self.model(torch.tensor(input_ids, device=self.device),
+                            torch.tensor(positions, device=self.device), meta, self.kv_caches)
+        if not sample_rows:
+            return torch.empty(0, self.model.arch.vocab_size), []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return logits, sample_seqs

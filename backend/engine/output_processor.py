@@ -1,0 +1,75 @@
+"""Applies each sampled token to its sequence: stop tokens, stop strings, max_tokens, and what may be sent.
+
+Text that could still become the start of a stop string is held back until it is known not to be, so a
+client never sees part of a stop string that is later trimmed. Stop strings may span tokens."""
+
+from __future__ import annotations
+
+from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.sampler import SampledToken
+from backend.engine.sequence import ChoiceDelta, Sequence, SequenceStatus, TokenLogprob
+
+
+def held_back_length(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class OutputProcessor:
+    def __init__(self, detokenizer: IncrementalDetokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.detokenizer = detokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append_token(self, seq: Sequence, sampled: SampledToken) -> None:
+        """Add the sampled token; sets seq.finish_reason when the sequence is done."""
+        seq.token_ids.append(sampled.token_id)
+        seq.cumulative_logprob += sampled.logprob
+        params = seq.params
+        if params.logprobs is not None:
+            text = self.detokenizer.token_text
+            seq.pending_logprobs.append(TokenLogprob(
+                sampled.token_id, text(sampled.token_id), sampled.logprob,
+                [(token_id, text(token_id), logprob) for token_id, logprob in sampled.top]))
+
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        stopped_by_token = may_stop and (
+            sampled.token_id in params.stop_token_ids
+            or (not params.ignore_eos and sampled.token_id in self.eos_token_ids))
+        if stopped_by_token:  # the stop token's own text is not part of the output
+            seq.finish_reason = "stop"
+            return
+        searched_from = len(seq.output_text)
+        seq.output_text += self.detokenizer.decode_new_text(seq)
+        if may_stop and params.stop:
+            longest = max(len(stop) for stop in params.stop)
+            start = max(0, searched_from - longest + 1)
+            hits = [i for i in (seq.output_text.find(stop, start) for stop in params.stop) if i >= 0]
+            if hits:
+                seq.output_text = seq.output_text[:min(hits)]
+                seq.finish_reason = "stop"
+                return
+        if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def take_delta(self, seq: Sequence) -> ChoiceDelta | None:
+        """What the client may see now that it has not seen yet; None when there is nothing new."""
+        text = seq.output_text
+        end = len(text) if seq.is_finished else len(text) - held_back_length(text, seq.params.stop)
+        end = max(end, seq.num_sent_chars)
+        new_text = text[seq.num_sent_chars:end]
+        if not new_text and not seq.pending_logprobs and not seq.is_finished:
+            return None
+        seq.num_sent_chars = end
+        logprobs, seq.pending_logprobs = seq.pending_logprobs, []
+        return ChoiceDelta(
+            index=seq.index, text=new_text, logprobs=logprobs,
+            cumulative_logprob=seq.cumulative_logprob, num_output_tokens=seq.num_output_tokens,
+            finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
+        )

@@ -1,0 +1,133 @@
+"""Per-request generation parameters, parsed and validated from the `sampling_parameters` JSON.
+
+Triton clients (vllm_backend convention) may send numbers as strings, so every field is cast here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.errors import InvalidRequest
+
+MAX_LOGPROBS = 20
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise InvalidRequest(f"{name} must be a boolean, got {value!r}")
+
+
+def _as_number(name: str, value: Any, kind: type) -> int | float:
+    what = "an integer" if kind is int else "a number"
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise InvalidRequest(f"{name} must be {what}, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise InvalidRequest(f"{name} must be {what}, got {value!r}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise InvalidRequest(f"{name} must be {what}, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _as_string_list(name: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidRequest(f"{name} must be a string or a list of strings")
+    return [v for v in value if v]
+
+
+def _as_int_list(name: str, value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name} must be a list of integers")
+    return [_as_number(name, v, int) for v in value]
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16  # None = up to the context length
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_json(cls, text: str | bytes | None) -> "SamplingParams":
+        if text is None or (isinstance(text, (str, bytes)) and not text.strip()):
+            return cls()
+        try:
+            values = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidRequest(f"sampling_parameters is not valid JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise InvalidRequest("sampling_parameters must be a JSON object")
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        params = cls()
+        casts = {
+            "temperature": lambda k, v: _as_number(k, v, float),
+            "top_p": lambda k, v: _as_number(k, v, float),
+            "min_p": lambda k, v: _as_number(k, v, float),
+            "top_k": lambda k, v: _as_number(k, v, int),
+            "n": lambda k, v: _as_number(k, v, int),
+            "min_tokens": lambda k, v: _as_number(k, v, int),
+            "max_tokens": lambda k, v: None if v is None else _as_number(k, v, int),
+            "seed": lambda k, v: None if v is None else _as_number(k, v, int),
+            "logprobs": lambda k, v: None if v is None else _as_number(k, v, int),
+            "ignore_eos": _as_bool,
+            "skip_special_tokens": _as_bool,
+            "stop": _as_string_list,
+            "stop_token_ids": _as_int_list,
+        }
+        unknown = sorted(set(values) - set(casts))
+        if unknown:
+            raise InvalidRequest(f"unsupported sampling parameter(s): {', '.join(unknown)}")
+        for key, value in values.items():
+            setattr(params, key, casts[key](key, value))
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be >= 0"),
+            (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.n >= 1, "n must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(message)

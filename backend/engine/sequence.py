@@ -1,0 +1,104 @@
+"""A request and its sequences (one per choice), with the state the scheduler and output processor share."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+import torch
+
+from backend.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]]  # the most likely alternatives: (id, text, logprob)
+
+
+class Sequence:
+    """One choice of a request: prompt + generated tokens, its KV blocks and what has been sent so far."""
+
+    def __init__(self, request: "Request", index: int, prompt_token_ids: list[int], generator: torch.Generator):
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.full_block_keys: list[int] = []  # prefix-cache key of each full block, in order
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache at first admission
+        self.generator = generator
+        # output side
+        self.output_text = ""
+        self.num_sent_chars = 0
+        self.cumulative_logprob = 0.0
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        # incremental detokenizer offsets (into token_ids)
+        self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
+        self.read_offset = self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced since the last output."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob]
+    cumulative_logprob: float
+    num_output_tokens: int
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    choices: list[ChoiceDelta]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+    error: Exception | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    sequences: list[Sequence] = field(default_factory=list)
+    max_tokens: int = 0  # params.max_tokens resolved against the context length
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)

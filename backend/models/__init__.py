@@ -1,0 +1,1 @@
+"""Model forward passes written for the engine (flat token batches over a paged KV cache)."""

@@ -1,0 +1,237 @@
+"""Llama-family forward pass over a flat batch of tokens with a paged KV cache.
+
+RMSNorm, rotary embeddings (default, linear and llama3 rope scaling), grouped-query attention, SwiGLU MLP,
+optionally tied embeddings. Projections are fused (qkv, gate_up) at load time: fewer, larger matmuls."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from backend.engine.attention import AttentionMetadata, paged_attention
+
+
+@dataclass
+class LlamaArchitecture:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config_file(cls, path: Path) -> "LlamaArchitecture":
+        config = json.loads(Path(path).read_text())
+        model_type = config.get("model_type", "llama")
+        if model_type != "llama":
+            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs Llama-family models")
+        # transformers 5 writes rope settings as `rope_parameters`; older checkpoints use rope_theta/rope_scaling
+        rope = dict(config.get("rope_parameters") or {})
+        rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = config.get("rope_scaling") or rope
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            attention_bias=config.get("attention_bias", False),
+            mlp_bias=config.get("mlp_bias", False),
+        )
+
+
+def rope_inverse_frequencies(arch: LlamaArchitecture) -> torch.Tensor:
+    dim = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = arch.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Neox-style rotation (first half / second half of each head), cos/sin tables precomputed per position.
+
+    Not an nn.Module on purpose: the tables stay float32 whatever dtype the weights are cast to."""
+
+    def __init__(self, arch: LlamaArchitecture, device: torch.device | str = "cpu"):
+        positions = torch.arange(arch.max_position_embeddings, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, rope_inverse_frequencies(arch).to(device))
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [tokens, 1, head_dim / 2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: LlamaArchitecture):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False)
+        self.scale = arch.head_dim ** -0.5
+
+    def forward(self, positions, hidden, meta, k_cache, v_cache, rotary: RotaryEmbedding):
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q = rotary(positions, q.view(tokens, self.num_heads, self.head_dim))
+        k = rotary(positions, k.view(tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: LlamaArchitecture):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArchitecture):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, positions, hidden, meta, k_cache, v_cache, rotary):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, k_cache, v_cache, rotary)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArchitecture):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.rotary: RotaryEmbedding | None = None  # set by from_pretrained on the model's device
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = (None if arch.tie_word_embeddings
+                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions: [tokens] → final hidden states [tokens, hidden] (before the last norm)."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, meta, k_cache, v_cache, self.rotary)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), weight).float()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
+        arch = LlamaArchitecture.from_config_file(Path(model_dir) / "config.json")
+        with torch.device("meta"):
+            model = cls(arch)
+        weights = _read_safetensors(Path(model_dir))
+        state = _fuse_checkpoint(weights, arch)
+        model.load_state_dict(state, strict=True, assign=True)
+        model = model.to(device=device, dtype=dtype).eval()
+        model.rotary = RotaryEmbedding(arch, device)
+        return model
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    weights = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                weights[name] = handle.get_tensor(name)
+    return weights
+
+
+def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: LlamaArchitecture) -> dict[str, torch.Tensor]:
+    """Rename HF Llama checkpoint tensors to this module's names, concatenating q/k/v and gate/up."""
+    def take(name: str) -> torch.Tensor:
+        for key in (name, f"model.{name}"):
+            if key in weights:
+                return weights[key].float()
+        raise KeyError(f"checkpoint has no tensor {name!r}")
+
+    state = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    if not arch.tie_word_embeddings:
+        state["lm_head.weight"] = weights["lm_head.weight"].float()
+    for i in range(arch.num_layers):
+        p = f"layers.{i}"
+        state[f"{p}.input_layernorm.weight"] = take(f"{p}.input_layernorm.weight")
+        state[f"{p}.post_attention_layernorm.weight"] = take(f"{p}.post_attention_layernorm.weight")
+        for suffix in (("weight", "bias") if arch.attention_bias else ("weight",)):
+            state[f"{p}.self_attn.qkv_proj.{suffix}"] = torch.cat(
+                [take(f"{p}.self_attn.{n}_proj.{suffix}") for n in "qkv"])
+        state[f"{p}.self_attn.o_proj.weight"] = take(f"{p}.self_attn.o_proj.weight")
+        for suffix in (("weight", "bias") if arch.mlp_bias else ("weight",)):
+            state[f"{p}.mlp.gate_up_proj.{suffix}"] = torch.cat(
+                [take(f"{p}.mlp.gate_proj.{suffix}"), take(f"{p}.mlp.up_proj.{suffix}")])
+            state[f"{p}.mlp.down_proj.{suffix}"] = take(f"{p}.mlp.down_proj.{suffix}")
+    return state

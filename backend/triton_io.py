@@ -1,0 +1,119 @@
+"""The Triton tensor interface of model `llm` (vllm_backend-compatible), as pure functions over numpy arrays.
+
+`parse_request` turns input tensors into an engine request; `ResponseBuilder` turns engine outputs into
+output tensors, streaming deltas or one final response. No Triton import here: model.py does the I/O."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.sequence import ChoiceDelta, RequestOutput
+from backend.errors import InvalidRequest
+
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+                "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens")
+INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output") + RETURN_FLAGS
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    returns: set[str] = field(default_factory=set)  # output names requested besides text_output
+
+
+def _scalar(array: np.ndarray | None, name: str):
+    if array is None:
+        return None
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise InvalidRequest(f"input {name} must hold exactly one element, got {flat.size}")
+    return flat[0]
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest(f"input {name} is not valid UTF-8") from None
+    return str(value)
+
+
+def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
+    """inputs: tensor name → numpy array (None when the client did not send it)."""
+    input_ids = inputs.get("input_ids")
+    text = _scalar(inputs.get("text_input"), "text_input")
+    if input_ids is not None and np.asarray(input_ids).size:
+        prompt: str | list[int] = [int(t) for t in np.asarray(input_ids).reshape(-1)]
+    elif text is not None:
+        prompt = _text(text, "text_input")
+    else:
+        raise InvalidRequest("the request needs a prompt: text_input or input_ids")
+    raw_params = _scalar(inputs.get("sampling_parameters"), "sampling_parameters")
+    params = SamplingParams.from_json(None if raw_params is None else _text(raw_params, "sampling_parameters"))
+    flags = {name: bool(_scalar(inputs.get(name), name)) for name in ("stream", "exclude_input_in_output")
+             + RETURN_FLAGS}
+    return ParsedRequest(
+        prompt=prompt, params=params, stream=flags["stream"],
+        exclude_input_in_output=flags["exclude_input_in_output"],
+        returns={name.removeprefix("return_") for name in RETURN_FLAGS if flags[name]},
+    )
+
+
+def _logprob_entries(delta: ChoiceDelta) -> list[dict]:
+    return [
+        {"token": lp.token, "token_id": lp.token_id, "logprob": lp.logprob,
+         "top": {text: logprob for _, text, logprob in lp.top}}
+        for lp in delta.logprobs
+    ]
+
+
+class ResponseBuilder:
+    """Per request: engine outputs in, response tensors out (None while a non-streaming request runs)."""
+
+    def __init__(self, request: ParsedRequest):
+        self.request = request
+        n = request.params.n
+        self.texts = [""] * n
+        self.finish_reasons = [""] * n
+        self.logprobs: list[list] = [[] for _ in range(n)]
+        self.cumulative_logprobs = [0.0] * n
+        self.num_output_tokens = [0] * n
+        if not request.stream and not request.exclude_input_in_output and isinstance(request.prompt, str):
+            self.texts = [request.prompt] * n
+
+    def on_output(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
+        n = self.request.params.n
+        if self.request.stream:  # each response carries only what is new
+            self.texts, self.logprobs = [""] * n, [[] for _ in range(n)]
+        for delta in output.choices:
+            i = delta.index
+            self.texts[i] += delta.text
+            self.logprobs[i].extend(_logprob_entries(delta))
+            self.cumulative_logprobs[i] = delta.cumulative_logprob
+            self.num_output_tokens[i] = delta.num_output_tokens
+            self.finish_reasons[i] = delta.finish_reason or ""
+        if not self.request.stream and not output.finished:
+            return None
+        tensors = {"text_output": np.array([t.encode("utf-8") for t in self.texts], dtype=np.object_)}
+        wanted = self.request.returns
+        if "finish_reason" in wanted:
+            tensors["finish_reason"] = np.array([r.encode() for r in self.finish_reasons], dtype=np.object_)
+        if "cumulative_logprob" in wanted:
+            tensors["cumulative_logprob"] = np.array(self.cumulative_logprobs, dtype=np.float32)
+        if "logprobs" in wanted:
+            tensors["logprobs"] = np.array([json.dumps(lp).encode() for lp in self.logprobs], dtype=np.object_)
+        if "num_input_tokens" in wanted:
+            tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
+        if "num_output_tokens" in wanted:
+            tensors["num_output_tokens"] = np.array(self.num_output_tokens, dtype=np.uint32)
+        if "num_cached_tokens" in wanted:
+            tensors["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.uint32)
+        return tensors

@@ -1,0 +1,38 @@
+"""Engine statistics published as Triton custom metrics (scraped from tritonserver's metrics port).
+
+Takes the `triton_python_backend_utils` module as an argument, so this file imports nothing from Triton."""
+
+from __future__ import annotations
+
+GAUGES = {
+    "running": ("tritonllm:num_requests_running", "Sequences in the running batch"),
+    "waiting": ("tritonllm:num_requests_waiting", "Sequences waiting for admission"),
+    "free_blocks": ("tritonllm:kv_cache_free_blocks", "Free blocks of the paged KV cache"),
+    "total_blocks": ("tritonllm:kv_cache_total_blocks", "Blocks of the paged KV cache"),
+    "prefix_cache_hit_rate": ("tritonllm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"),
+}
+COUNTERS = {
+    "prompt_tokens": ("tritonllm:prompt_tokens_total", "Prompt tokens of admitted requests"),
+    "generated_tokens": ("tritonllm:generation_tokens_total", "Generated tokens"),
+    "preemptions": ("tritonllm:preemptions_total", "Sequences preempted to free KV blocks"),
+}
+
+
+class EngineMetrics:
+    def __init__(self, pb_utils, labels: dict[str, str]):
+        self.families = []  # a family must outlive its metrics, so it is kept here
+
+        def family(name, description, kind):
+            self.families.append(pb_utils.MetricFamily(name=name, description=description, kind=kind))
+            return self.families[-1].Metric(labels=labels)
+
+        self.gauges = {key: family(n, d, pb_utils.MetricFamily.GAUGE) for key, (n, d) in GAUGES.items()}
+        self.counters = {key: family(n, d, pb_utils.MetricFamily.COUNTER) for key, (n, d) in COUNTERS.items()}
+        self.counted = {key: 0 for key in COUNTERS}
+
+    def update(self, stats: dict) -> None:
+        for key, metric in self.gauges.items():
+            metric.set(float(stats[key]))
+        for key, metric in self.counters.items():
+            metric.increment(float(stats[key] - self.counted[key]))
+            self.counted[key] = stats[key]

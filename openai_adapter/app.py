@@ -1,0 +1,74 @@
+"""The HTTP service: FastAPI routes over the completion service, and the uvicorn entry point."""
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from openai_adapter.completions import CompletionService
+from openai_adapter.concurrency import cancel_on_disconnect
+from openai_adapter.errors import install_exception_handlers, service_unavailable
+from openai_adapter.protocol import ModelCard, ModelList, parse_completion_request
+from openai_adapter.sse import completion_events
+from openai_adapter.settings import AdapterSettings
+from openai_adapter.triton_client import TritonClient
+
+
+def create_app(settings: AdapterSettings) -> FastAPI:
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The gRPC channel belongs to the serving event loop, so it is made here rather than at import.
+        triton = TritonClient(settings)
+        app.state.triton = triton
+        app.state.completions = CompletionService(triton, settings.served_model_name)
+        try:
+            yield
+        finally:
+            await triton.close()
+
+    app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
+    install_exception_handlers(app)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        # Parsed by hand (not as a FastAPI body parameter) so every malformed body gets an OpenAI-format 400.
+        completion_request = parse_completion_request(await request.body())
+        service: CompletionService = request.app.state.completions
+        if completion_request.stream:
+            chunks = service.stream(completion_request)
+            # Wait for the first chunk before answering 200, so that refusals and Triton failures at the
+            # start still get a proper HTTP error status.
+            first = await cancel_on_disconnect(anext(chunks), request.is_disconnected)
+            events = completion_events(first, chunks)
+            # Starlette cancels the streaming task when the client disconnects; closing the generator
+            # afterwards also covers a generator that was suspended between chunks at that moment.
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
+        completion = await cancel_on_disconnect(service.complete(completion_request), request.is_disconnected)
+        return Response(completion.model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.served_model_name, created=started)])
+
+    @app.get("/health")
+    async def health(request: Request) -> dict:
+        triton: TritonClient = request.app.state.triton
+        if not await triton.is_ready():
+            raise service_unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready.")
+        return {"status": "ok"}
+
+    return app
+
+
+def run(settings: AdapterSettings, host: str, port: int, log_level: str) -> None:
+    """Serve the adapter until interrupted."""
+    # uvicorn configures only its own loggers; this gives the adapter's warnings a format and a handler.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)

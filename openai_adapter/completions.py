@@ -1,0 +1,199 @@
+"""One OpenAI completion request in, concurrent Triton requests (one per prompt) out, and their answers back.
+
+The engine returns the request's `n` choices side by side in every response, so the choice of `index` c of
+prompt p gets OpenAI index p * n + c (prompt-major).
+"""
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from openai_adapter.concurrency import merge
+from openai_adapter.errors import internal_error, invalid_request, model_not_found, unsupported_parameter
+from openai_adapter.logprobs import LogprobsAccumulator
+from openai_adapter.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    StreamOptions,
+    Usage,
+)
+from openai_adapter.triton_client import ChoiceOutput, TritonChunk, TritonClient
+
+
+def sampling_parameters(request: CompletionRequest) -> dict:
+    """The engine's `sampling_parameters` JSON for a request (the same for each of its prompts)."""
+    parameters = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "n": request.n,
+        "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens,
+        "skip_special_tokens": request.skip_special_tokens,
+    }
+    # Absent max_tokens: the engine generates up to the end of the context.
+    optional = {
+        "max_tokens": request.max_tokens,
+        "seed": request.seed,
+        "stop": request.stop_strings(),
+        "stop_token_ids": request.stop_token_ids,
+        "logprobs": request.logprobs,
+    }
+    parameters.update({name: value for name, value in optional.items() if value not in (None, [])})
+    return parameters
+
+
+class _ChoiceState:
+    """One choice of the completion, built up from the responses of its Triton request."""
+
+    def __init__(self, index: int, echo_text: str, with_logprobs: bool) -> None:
+        self.index = index
+        self.finish_reason: str | None = None
+        self.num_output_tokens = 0
+        self._text_parts: list[str] = []
+        self._unsent_echo = echo_text
+        self._logprobs = LogprobsAccumulator(start_offset=len(echo_text)) if with_logprobs else None
+
+    def add(self, output: ChoiceOutput) -> CompletionChoice | None:
+        """Record one response's output; returns what a stream chunk should carry, None if nothing new."""
+        if self.finish_reason is not None:
+            # Responses keep listing a finished choice while its siblings run; it has one finish chunk only.
+            return None
+        text = self._unsent_echo + output.text
+        self._unsent_echo = ""
+        self._text_parts.append(text)
+        self.finish_reason = output.finish_reason
+        if output.num_output_tokens is not None:
+            self.num_output_tokens = output.num_output_tokens
+        logprobs = self._logprobs.add(output.logprobs) if self._logprobs else None
+        if not text and not output.logprobs and self.finish_reason is None:
+            return None
+        return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason)
+
+    def whole(self) -> CompletionChoice:
+        return CompletionChoice(
+            index=self.index,
+            text="".join(self._text_parts),
+            logprobs=self._logprobs.total if self._logprobs else None,
+            finish_reason=self.finish_reason,
+        )
+
+
+class CompletionAssembler:
+    """Collects the Triton responses of one completion into OpenAI choices, chunks and usage."""
+
+    def __init__(self, request: CompletionRequest) -> None:
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self._created = int(time.time())
+        self._model = request.model
+        self._n = request.n
+        prompts = request.prompts()
+        self._choices = [
+            _ChoiceState(
+                index=prompt_index * request.n + choice_index,
+                echo_text=prompt if request.echo else "",
+                with_logprobs=request.logprobs is not None,
+            )
+            for prompt_index, prompt in enumerate(prompts)
+            for choice_index in range(request.n)
+        ]
+        self._prompt_tokens = [0] * len(prompts)
+        self._cached_tokens = [0] * len(prompts)
+
+    def add(self, prompt_index: int, chunk: TritonChunk) -> list[CompletionChoice]:
+        """Record a response to the request of prompt `prompt_index`; returns the choices with news."""
+        if len(chunk.choices) > self._n:
+            raise internal_error(f"Triton returned {len(chunk.choices)} choices for a request of n={self._n}.")
+        if chunk.num_input_tokens is not None:
+            self._prompt_tokens[prompt_index] = chunk.num_input_tokens
+        if chunk.num_cached_tokens is not None:
+            self._cached_tokens[prompt_index] = chunk.num_cached_tokens
+        first = prompt_index * self._n
+        updates = [state.add(output) for state, output in zip(self._choices[first : first + self._n], chunk.choices)]
+        return [choice for choice in updates if choice is not None]
+
+    def check_finished(self) -> None:
+        """Every choice must have ended with a finish reason once all Triton requests have ended."""
+        unfinished = [state.index for state in self._choices if state.finish_reason is None]
+        if unfinished:
+            raise internal_error(f"Triton ended the request without finishing choices {unfinished}.")
+
+    def usage(self) -> Usage:
+        prompt_tokens = sum(self._prompt_tokens)
+        completion_tokens = sum(state.num_output_tokens for state in self._choices)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self._cached_tokens)),
+        )
+
+    def chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self._created, model=self._model, choices=choices, usage=usage)
+
+    def response(self) -> CompletionResponse:
+        self.check_finished()
+        return self.chunk([state.whole() for state in self._choices], self.usage())
+
+
+class CompletionService:
+    """Runs completion requests against the Triton model."""
+
+    def __init__(self, triton: TritonClient, served_model_name: str) -> None:
+        self._triton = triton
+        self._served_model_name = served_model_name
+
+    async def complete(self, request: CompletionRequest) -> CompletionResponse:
+        """A whole (non-streamed) completion."""
+        self._validate(request)
+        assembler = CompletionAssembler(request)
+        async with aclosing(self._responses(request, assembler.id)) as responses:
+            async for prompt_index, chunk in responses:
+                assembler.add(prompt_index, chunk)
+        return assembler.response()
+
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[CompletionResponse]:
+        """The chunks of a streamed completion; each choice gets exactly one chunk with a finish reason."""
+        self._validate(request)
+        assembler = CompletionAssembler(request)
+        options = request.stream_options or StreamOptions()
+        async with aclosing(self._responses(request, assembler.id)) as responses:
+            async for prompt_index, chunk in responses:
+                choices = assembler.add(prompt_index, chunk)
+                if choices:
+                    yield assembler.chunk(choices, assembler.usage() if options.continuous_usage_stats else None)
+        assembler.check_finished()
+        if options.include_usage:
+            yield assembler.chunk([], assembler.usage())
+
+    def _validate(self, request: CompletionRequest) -> None:
+        """Refuse what the schema accepts but this service cannot do (yet)."""
+        if request.model != self._served_model_name:
+            raise model_not_found(request.model)
+        unsupported = request.unsupported_parameter()
+        if unsupported is not None:
+            raise unsupported_parameter(unsupported)
+        if request.echo and request.logprobs is not None:
+            raise invalid_request("echo together with logprobs (prompt logprobs) is not supported yet.", "echo")
+        if request.echo and not all(isinstance(prompt, str) for prompt in request.prompts()):
+            raise invalid_request("echo is not supported yet for prompts given as token ids.", "echo")
+
+    def _responses(self, request: CompletionRequest, completion_id: str) -> AsyncIterator[tuple[int, TritonChunk]]:
+        """Responses of all the prompts' Triton requests, run concurrently, tagged with the prompt index."""
+        parameters = sampling_parameters(request)
+        return merge(
+            [
+                self._triton.generate(
+                    prompt,
+                    parameters,
+                    stream=request.stream,
+                    return_logprobs=request.logprobs is not None,
+                    request_id=f"{completion_id}-{prompt_index}",
+                )
+                for prompt_index, prompt in enumerate(request.prompts())
+            ]
+        )

@@ -1,0 +1,214 @@
+"""The adapter's connection to Triton: one gRPC stream per generation request to the decoupled model.
+
+Decoupled models cannot answer unary infer calls, so every request goes through `stream_infer`. Each stream
+carries exactly one request: after it is written, our request iterator ends, which half-closes the stream,
+and Triton closes the stream once that request has sent its last response. The end of the stream is
+therefore the end of the request. (The aio client cannot ask for Triton's empty final response: it rejects
+the reserved `triton_enable_empty_final_response` request parameter.)
+"""
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
+from tritonclient.grpc.aio import InferenceServerClient
+
+from openai_adapter.errors import (
+    AdapterError,
+    gateway_timeout,
+    internal_error,
+    invalid_request,
+    service_unavailable,
+)
+from openai_adapter.settings import AdapterSettings
+
+_CHANNEL_ARGS = [
+    # Non-streamed outputs with logprobs can pass gRPC's default 4 MiB limit.
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+    # A short reconnect backoff lets /health turn ready soon after tritonserver (re)starts,
+    # instead of after gRPC's default backoff of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+_ALWAYS_RETURNED = (
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_num_cached_tokens",
+)
+
+# The backend tags the errors it raises on purpose (gRPC stream errors carry no status code);
+# see _error_from_message.
+_ERROR_TAG = re.compile(r"\[(invalid_request|overloaded|cancelled|internal)\]\s*")
+# Triton's own answer while the model is missing or still loading.
+_MODEL_NOT_AVAILABLE = re.compile(r"unknown model", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """What one response says about one of the request's `n` choices."""
+
+    text: str
+    """New text when streaming, the whole text otherwise (never including the prompt)."""
+    finish_reason: str | None
+    """None while the choice is still running."""
+    logprobs: list[dict]
+    """Engine entries of the new tokens; empty unless logprobs were requested."""
+    num_output_tokens: int | None
+    """Tokens generated so far."""
+
+
+@dataclass(frozen=True)
+class TritonChunk:
+    """One response of the model."""
+
+    choices: list[ChoiceOutput]
+    num_input_tokens: int | None
+    num_cached_tokens: int | None
+
+
+class TritonClient:
+    """Owns the gRPC channel to tritonserver."""
+
+    def __init__(self, settings: AdapterSettings) -> None:
+        self._settings = settings
+        self._client = InferenceServerClient(settings.triton_url, channel_args=_CHANNEL_ARGS)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def is_ready(self) -> bool:
+        """Whether tritonserver and the model are ready; False on any failure or after health_timeout_s."""
+        timeout = self._settings.health_timeout_s
+
+        async def check() -> bool:
+            return await self._client.is_server_ready(client_timeout=timeout) and await self._client.is_model_ready(
+                self._settings.triton_model, client_timeout=timeout
+            )
+
+        try:
+            return await asyncio.wait_for(check(), timeout)
+        except Exception:
+            return False
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_parameters: dict,
+        *,
+        stream: bool,
+        return_logprobs: bool,
+        request_id: str,
+    ) -> AsyncIterator[TritonChunk]:
+        """Run one generation request, yielding each of the model's responses.
+
+        Raises AdapterError on an error response, a failed call or an exceeded request_timeout_s.
+        Closing the generator early cancels the request in Triton.
+        """
+        request = {
+            "model_name": self._settings.triton_model,
+            "inputs": _request_inputs(prompt, sampling_parameters, stream, return_logprobs),
+            "request_id": request_id,
+        }
+
+        async def requests() -> AsyncIterator[dict]:
+            yield request
+
+        responses = self._client.stream_infer(requests(), stream_timeout=self._settings.request_timeout_s)
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise _error_from_message(error.message())
+                yield _parse_response(result)
+        except grpc.aio.AioRpcError as error:
+            raise self._error_from_rpc(error) from None
+        finally:
+            # A cancelled read already cancels the call inside grpc, but a generator closed while suspended
+            # at `yield` (consumer gone between responses) does not: cancel explicitly so Triton's
+            # request.is_cancelled() turns true. It is a no-op when the stream has already ended.
+            responses.cancel()
+
+    def _error_from_rpc(self, error: grpc.aio.AioRpcError) -> AdapterError:
+        code = error.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return gateway_timeout(f"Triton did not finish the request within {self._settings.request_timeout_s} s.")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return service_unavailable(f"Triton at {self._settings.triton_url} is unavailable: {error.details()}")
+        return internal_error(f"Triton call failed ({code.name}): {error.details()}")
+
+
+def _request_inputs(
+    prompt: str | list[int], sampling_parameters: dict, stream: bool, return_logprobs: bool
+) -> list[InferInput]:
+    if isinstance(prompt, str):
+        inputs = [_tensor("text_input", _bytes_array(prompt), "BYTES")]
+    else:
+        inputs = [_tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32")]
+    inputs.append(_tensor("stream", np.array([stream]), "BOOL"))
+    inputs.append(_tensor("sampling_parameters", _bytes_array(json.dumps(sampling_parameters)), "BYTES"))
+    # The adapter adds echoed prompt text itself, so Triton never returns the prompt.
+    inputs.append(_tensor("exclude_input_in_output", np.array([True]), "BOOL"))
+    flags = _ALWAYS_RETURNED + (("return_logprobs",) if return_logprobs else ())
+    inputs.extend(_tensor(flag, np.array([True]), "BOOL") for flag in flags)
+    return inputs
+
+
+def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
+    tensor = InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _bytes_array(text: str) -> np.ndarray:
+    return np.array([text.encode()], dtype=np.object_)
+
+
+def _parse_response(result: InferResult) -> TritonChunk:
+    texts = _strings(result, "text_output")
+    count = len(texts)
+    finish_reasons = _strings(result, "finish_reason") or [""] * count
+    logprobs = [json.loads(entries) for entries in _strings(result, "logprobs")] or [[]] * count
+    num_output_tokens = _ints(result, "num_output_tokens") or [None] * count
+    num_input_tokens = _ints(result, "num_input_tokens")
+    num_cached_tokens = _ints(result, "num_cached_tokens")
+    return TritonChunk(
+        choices=[
+            ChoiceOutput(text, finish_reason or None, entries, tokens)
+            for text, finish_reason, entries, tokens in zip(texts, finish_reasons, logprobs, num_output_tokens)
+        ],
+        num_input_tokens=num_input_tokens[0] if num_input_tokens else None,
+        num_cached_tokens=num_cached_tokens[0] if num_cached_tokens else None,
+    )
+
+
+def _strings(result: InferResult, name: str) -> list[str]:
+    array = result.as_numpy(name)
+    return [] if array is None else [item.decode() for item in array]
+
+
+def _ints(result: InferResult, name: str) -> list[int]:
+    array = result.as_numpy(name)
+    return [] if array is None else [int(item) for item in array]
+
+
+def _error_from_message(message: str) -> AdapterError:
+    """Map an error response to the client's error: by the backend's tag, else by Triton's own wording."""
+    tag = _ERROR_TAG.search(message)
+    if tag is None:
+        if _MODEL_NOT_AVAILABLE.search(message):
+            return service_unavailable(f"The model is not available in Triton: {message}")
+        return internal_error(f"Triton error: {message}")
+    kind, detail = tag.group(1), message[tag.end() :]
+    if kind == "invalid_request":
+        return invalid_request(detail)
+    if kind == "internal":
+        return internal_error(detail)
+    # Overloaded, or cancelled by the server (e.g. shutting down): both are worth a retry.
+    return service_unavailable(detail)

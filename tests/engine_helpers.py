@@ -1,0 +1,46 @@
+"""Drive an LLMEngine synchronously in tests: submit requests, step until done, collect per-choice results."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.sequence import Request, RequestOutput
+
+_ids = itertools.count()
+
+
+@dataclass
+class Result:
+    request: Request
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def text(self, index: int = 0) -> str:
+        return "".join(c.text for o in self.outputs for c in o.choices if c.index == index)
+
+    def deltas(self, index: int = 0) -> list[str]:
+        return [c.text for o in self.outputs for c in o.choices if c.index == index]
+
+    def finish_reason(self, index: int = 0) -> str | None:
+        reasons = [c.finish_reason for o in self.outputs for c in o.choices if c.index == index and c.finish_reason]
+        assert len(reasons) <= 1, reasons
+        return reasons[0] if reasons else None
+
+    def token_ids(self, index: int = 0) -> list[int]:
+        return self.request.sequences[index].output_token_ids
+
+
+def generate(engine: LLMEngine, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[Result]:
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    results = {}
+    for prompt, p in zip(prompts, params_list):
+        request = Request(f"test-{next(_ids)}", prompt, p)
+        engine.add_request(request)
+        results[request.request_id] = Result(request)
+    while engine.has_work():
+        for output in engine.step():
+            results[output.request_id].outputs.append(output)
+    assert all(r.outputs and r.outputs[-1].finished for r in results.values())
+    return list(results.values())

@@ -1,0 +1,173 @@
+"""The engine driven directly (no Triton): batching, stops, detokenization, seeds, aborts, prefix cache,
+preemption, admission errors. Greedy references come from transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from backend.config import EngineConfig
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.sampling_params import SamplingParams
+from backend.engine.sequence import Request
+from backend.errors import InvalidRequest
+from engine_helpers import generate
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
+PROMPTS = [
+    "The capital of France is",
+    "Write a poem about the sea. " * 12,  # longer than one prefill chunk below
+    "1, 2, 3, 4,",
+    "def add(a, b):",
+    "The quick brown fox",
+    "Explain photosynthesis in simple terms. " * 6,
+]
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=64 << 20,
+                                  max_num_batched_tokens=48))
+
+
+def assert_idle(engine: LLMEngine) -> None:
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and not engine.requests
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_greedy_matches_transformers_generate(engine, default_model_dir):
+    hf_model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = "The capital of France is"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = hf_model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+    [result] = generate(engine, [prompt], GREEDY)
+    assert result.token_ids() == expected
+    assert result.text().startswith(" Paris")
+    assert result.finish_reason() == ("stop" if expected[-1] in engine.eos_token_ids else "length")
+    assert_idle(engine)
+
+
+def test_concurrent_greedy_equals_each_alone(engine):
+    alone = [generate(engine, [p], GREEDY)[0].token_ids() for p in PROMPTS]
+    together = [r.token_ids() for r in generate(engine, PROMPTS, GREEDY)]
+    assert together == alone
+    assert_idle(engine)
+
+
+def test_streamed_deltas_never_split_characters(engine):
+    prompts = ["Translate to Japanese: good morning, my friend. ->", "Some emoji for a party: 🎉", "中文：你好，"]
+    for result in generate(engine, prompts, SamplingParams(max_tokens=24, temperature=0.0)):
+        deltas = result.deltas()
+        assert all("\ufffd" not in d for d in deltas)
+        tokenizer = engine.tokenizer
+        full = tokenizer.decode(result.token_ids(), skip_special_tokens=True)
+        assert "".join(deltas) == full.rstrip("\ufffd")
+
+
+def test_stop_string_spanning_tokens_is_trimmed_and_never_streamed(engine):
+    [free] = generate(engine, ["1, 2, 3, 4,"], GREEDY)
+    text = free.text()
+    assert " 7, 8" in text  # the model counts: the stop below spans several tokens
+    stop = " 7, 8"
+    [result] = generate(engine, ["1, 2, 3, 4,"], SamplingParams(max_tokens=32, temperature=0.0, stop=[stop]))
+    assert result.text() == text[:text.index(stop)]
+    assert result.finish_reason() == "stop"
+    streamed = ""
+    for delta in result.deltas():
+        streamed += delta
+        assert stop not in streamed and not any(streamed.endswith(stop[:k]) for k in range(2, len(stop)))
+
+
+def test_stop_at_first_token_and_overlapping_stops(engine):
+    [free] = generate(engine, ["1, 2, 3, 4,"], GREEDY)
+    first = free.text()[:2]  # " 5"
+    [result] = generate(engine, ["1, 2, 3, 4,"], SamplingParams(max_tokens=8, temperature=0.0, stop=[first]))
+    assert result.text() == "" and result.finish_reason() == "stop"
+    [result] = generate(engine, ["1, 2, 3, 4,"],
+                        SamplingParams(max_tokens=32, temperature=0.0, stop=[" 6, 7, 9", " 6, 7"]))
+    assert result.text() == free.text()[:free.text().index(" 6, 7")]
+
+
+def test_stop_token_ids_and_eos(engine):
+    [free] = generate(engine, ["1, 2, 3, 4,"], GREEDY)
+    tokens = free.token_ids()
+    first_new = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    [result] = generate(engine, ["1, 2, 3, 4,"], SamplingParams(max_tokens=32, temperature=0.0,
+                                                               stop_token_ids=[tokens[first_new]]))
+    assert result.token_ids() == tokens[:first_new + 1] and result.finish_reason() == "stop"
+    [chat] = generate(engine, ["<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"],
+                      SamplingParams(max_tokens=64, temperature=0.0))
+    assert chat.finish_reason() == "stop" and chat.token_ids()[-1] in engine.eos_token_ids
+    assert "<|im_end|>" not in chat.text()
+
+
+def test_min_tokens_and_ignore_eos(engine):
+    prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+    [short] = generate(engine, [prompt], SamplingParams(max_tokens=64, temperature=0.0))
+    n = len(short.token_ids())
+    [longer] = generate(engine, [prompt], SamplingParams(max_tokens=64, temperature=0.0, min_tokens=n + 3))
+    assert len(longer.token_ids()) >= n + 3
+    [ignored] = generate(engine, [prompt], SamplingParams(max_tokens=n + 5, temperature=0.0, ignore_eos=True))
+    assert len(ignored.token_ids()) == n + 5 and ignored.finish_reason() == "length"
+
+
+def test_seeded_sampling_is_reproducible_whatever_runs_beside(engine):
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, n=2)
+    [alone] = generate(engine, ["Tell me a story"], params)
+    busy = generate(engine, ["Tell me a story", "Another prompt here", "More load"],
+                    [params, SamplingParams(max_tokens=30, temperature=0.8), GREEDY])
+    assert [busy[0].token_ids(i) for i in range(2)] == [alone.token_ids(i) for i in range(2)]
+    assert alone.token_ids(0) != alone.token_ids(1)  # each choice has its own stream
+    [other] = generate(engine, ["Tell me a story"], SamplingParams(max_tokens=20, temperature=1.0, seed=99))
+    assert other.token_ids() != alone.token_ids()
+
+
+def test_abort_frees_blocks_and_reports_abort(engine):
+    request = Request("to-abort", "Write a long essay about rivers.", SamplingParams(max_tokens=200))
+    engine.add_request(request)
+    for _ in range(3):
+        engine.step()
+    assert engine.stats()["running"] == 1
+    engine.abort_request("to-abort")
+    outputs = engine.step()
+    assert [c.finish_reason for o in outputs for c in o.choices] == ["abort"] and outputs[-1].finished
+    assert_idle(engine)
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(engine):
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 10
+    [first] = generate(engine, [shared + "What is 2+2?"], GREEDY)
+    [second] = generate(engine, [shared + "What is 2+2?"], GREEDY)
+    assert second.outputs[-1].num_cached_tokens >= 16 * ((first.outputs[-1].num_prompt_tokens - 1) // 16)
+    assert second.token_ids() == first.token_ids()
+    assert engine.stats()["prefix_cache_hit_rate"] > 0
+    assert_idle(engine)
+
+
+def test_preemption_keeps_greedy_outputs(default_model_dir, engine):
+    expected = [r.token_ids() for r in generate(engine, PROMPTS, GREEDY)]
+    # 13 blocks of 16 tokens: far too few for six sequences at once, enough for each alone
+    small = LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=13 * engine.runner.bytes_per_block,
+                                   max_num_batched_tokens=48, enable_prefix_caching=False))
+    results = generate(small, PROMPTS, GREEDY)
+    assert small.stats()["preemptions"] > 0
+    assert [r.token_ids() for r in results] == expected
+    assert_idle(small)
+
+
+def test_admission_errors(engine):
+    too_long = Request("long", [1] * 9000, SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequest, match="at most"):
+        engine.add_request(too_long)
+    with pytest.raises(InvalidRequest, match="context length"):
+        engine.add_request(Request("over", "hello", SamplingParams(max_tokens=8190)))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        engine.add_request(Request("vocab", [10**6], SamplingParams()))
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request(Request("empty", "", SamplingParams()))
+    [zero] = generate(engine, ["Hello"], SamplingParams(max_tokens=0))
+    assert zero.text() == "" and zero.finish_reason() == "length"
+    assert_idle(engine)

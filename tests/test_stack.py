@@ -1,0 +1,224 @@
+"""The whole stack for real: `tritonllm serve` (tritonserver + our decoupled model + the adapter), called with
+the official openai SDK, plain HTTP, and tritonclient.grpc streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import re
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+PROMPT = "The capital of France is"
+
+
+def metric(stack, name: str) -> float:
+    text = httpx.get(stack.metrics_url, timeout=5).text
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not exported"
+    return float(match.group(1))
+
+
+def wait_until_idle(stack, timeout: float = 20.0) -> None:
+    """The engine has nothing running or waiting and every KV block is free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = [metric(stack, f"tritonllm:{n}") for n in
+                  ("num_requests_running", "num_requests_waiting", "kv_cache_free_blocks", "kv_cache_total_blocks")]
+        if values[0] == 0 and values[1] == 0 and values[2] == values[3] > 0:
+            return
+        assert time.monotonic() < deadline, f"engine not idle: running, waiting, free, total = {values}"
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(default_model_dir):
+    """transformers' own greedy continuation of a prompt, as text."""
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+
+    def run(prompt: str, max_tokens: int) -> str:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False)[0, ids.shape[1]:]
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    return run
+
+
+def test_greedy_text_matches_transformers(stack, client, hf_greedy):
+    completion = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=32, temperature=0)
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+    assert completion.model == stack.model_name
+    [choice] = completion.choices
+    assert choice.text == hf_greedy(PROMPT, 32)
+    assert choice.text.startswith(" Paris")
+    assert choice.finish_reason in ("stop", "length") and choice.index == 0
+    assert completion.usage.prompt_tokens == 5
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+
+
+def test_stream_matches_non_stream_and_reports_length(stack, client):
+    kwargs = dict(model=stack.model_name, prompt="Once upon a time", max_tokens=20, temperature=0)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 3  # tokens arrive as they are generated
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    reasons = [c.choices[0].finish_reason for c in text_chunks if c.choices[0].finish_reason]
+    assert reasons == ["length"] == [full.choices[0].finish_reason]
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 20
+    assert all(c.usage is None for c in text_chunks)
+
+
+def test_async_concurrent_requests_each_match_alone(stack, client):
+    prompts = ["Hello, my name is", "The best way to learn Python is", "1, 1, 2, 3, 5,", "Dear diary, today",
+               "The recipe needs", "In 1969, astronauts"]
+    alone = [client.completions.create(model=stack.model_name, prompt=p, max_tokens=16, temperature=0)
+             .choices[0].text for p in prompts]
+
+    async def together():
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0) as aclient:
+            async def one(prompt, stream):
+                kwargs = dict(model=stack.model_name, prompt=prompt, max_tokens=16, temperature=0)
+                if not stream:
+                    return (await aclient.completions.create(**kwargs)).choices[0].text
+                return "".join([c.choices[0].text async for c in await aclient.completions.create(**kwargs,
+                                                                                                   stream=True)])
+            return await asyncio.gather(*(one(p, i % 2 == 1) for i, p in enumerate(prompts)))
+
+    assert asyncio.run(together()) == alone
+
+
+def test_stop_sequences_through_the_adapter(stack, client):
+    base = client.completions.create(model=stack.model_name, prompt="1, 2, 3, 4,", max_tokens=24, temperature=0)
+    text = base.choices[0].text
+    stop = text[text.index("7"):text.index("7") + 4]  # spans several tokens, e.g. "7, 8"
+    stopped = client.completions.create(model=stack.model_name, prompt="1, 2, 3, 4,", max_tokens=24,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].text == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=stack.model_name, prompt="1, 2, 3, 4,", max_tokens=24, temperature=0, stop=[stop], stream=True))
+    assert streamed == stopped.choices[0].text
+
+
+def test_models_and_health(stack):
+    models = httpx.get(f"{stack.base_url}/models").json()
+    assert [m["id"] for m in models["data"]] == [stack.model_name] and models["object"] == "list"
+    assert httpx.get(stack.base_url.removesuffix("/v1") + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+    ({"model": "{model}"}, 400, "prompt"),
+    ({"model": "{model}", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "{model}", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": "{model}", "prompt": 42}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors(stack, body, status, param):
+    body = {k: (v.format(model=stack.model_name) if isinstance(v, str) else v) for k, v in body.items()}
+    response = httpx.post(f"{stack.base_url}/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_malformed_json_and_context_overflow(stack, client):
+    response = httpx.post(f"{stack.base_url}/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=stack.model_name, prompt="hi", max_tokens=100000)
+
+
+def _grpc_inputs(prompt: str, params: dict | str, stream: bool) -> list:
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+    raw = params if isinstance(params, str) else json.dumps(params)
+    inputs = [tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+              tensor("stream", np.array([stream]), "BOOL"),
+              tensor("sampling_parameters", np.array([raw.encode()], dtype=np.object_), "BYTES")]
+    for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+        inputs.append(tensor(flag, np.array([True]), "BOOL"))
+    return inputs
+
+
+def grpc_generate(stack, prompt: str, params: dict | str, stream: bool) -> tuple[list, Exception | None]:
+    """One request on its own gRPC stream: (responses carrying outputs, error or None)."""
+    client = grpcclient.InferenceServerClient(stack.grpc_url)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    client.async_stream_infer("llm", _grpc_inputs(prompt, params, stream), enable_empty_final_response=True)
+    responses, error = [], None
+    try:
+        while True:
+            result, error = events.get(timeout=120)
+            if error is not None:
+                return responses, error
+            if result.as_numpy("text_output") is not None:
+                responses.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return responses, None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_tritonclient_streaming_and_non_streaming(stack, client):
+    expected = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=12,
+                                         temperature=0).choices[0].text
+    # numbers as strings, as Triton clients often send them
+    streamed, error = grpc_generate(stack, PROMPT, {"max_tokens": "12", "temperature": "0"}, stream=True)
+    assert error is None and len(streamed) > 3
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in streamed) == expected
+    assert streamed[-1].as_numpy("finish_reason")[0] == b"length"
+    assert streamed[-1].as_numpy("num_output_tokens")[0] == 12
+    assert streamed[-1].as_numpy("num_input_tokens")[0] == 5
+    [final], error = grpc_generate(stack, PROMPT, {"max_tokens": 12, "temperature": 0}, stream=False)
+    assert error is None
+    assert final.as_numpy("text_output")[0].decode() == PROMPT + expected  # prompt included unless excluded
+
+
+@pytest.mark.parametrize("params, message", [
+    ("{not json", "sampling_parameters is not valid JSON"),
+    ({"temperature": "hot"}, "temperature must be a number"),
+    ({"max_tokens": 10**6}, "context length"),
+])
+def test_tritonclient_bad_parameters_fail_alone(stack, params, message):
+    responses, error = grpc_generate(stack, PROMPT, params, stream=True)
+    assert responses == [] and message in str(error)
+    good, error = grpc_generate(stack, PROMPT, {"max_tokens": 2}, stream=True)
+    assert error is None and good
+
+
+def test_client_disconnects_free_every_kv_block(stack):
+    """Streams dropped mid-generation and non-streaming clients that time out are cancelled in the engine."""
+    body = {"model": stack.model_name, "prompt": "Write a very long story about a dragon.", "max_tokens": 400,
+            "temperature": 0.7, "ignore_eos": True}
+    for _ in range(3):
+        with httpx.stream("POST", f"{stack.base_url}/completions", json={**body, "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            next(lines)
+    for _ in range(2):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{stack.base_url}/completions", json=body, timeout=1.5)
+    wait_until_idle(stack)
+    assert metric(stack, "tritonllm:generation_tokens_total") < 5 * 400
