@@ -92,7 +92,7 @@ class ResponseBuilder:
     def on_output(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
         n = self.request.params.n
         if self.request.stream:  # each response carries only what is new
-            self.texts, self.logprobs = [""] * n, [[] for _ in range(n)]
+            self.texts, self.logprobs, self.finish_reasons = [""] * n, [[] for _ in range(n)], [""] * n
         for delta in output.choices:
             i = delta.index
             self.texts[i] += delta.text

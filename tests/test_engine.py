@@ -126,7 +126,7 @@ def test_seeded_sampling_is_reproducible_whatever_runs_beside(engine):
 
 
 def test_abort_frees_blocks_and_reports_abort(engine):
-    request = Request("to-abort", "Write a long essay about rivers.", SamplingParams(max_tokens=200))
+    request = Request("to-abort", "Write a long essay about rivers.", SamplingParams(max_tokens=200, ignore_eos=True))
     engine.add_request(request)
     for _ in range(3):
         engine.step()
