@@ -16,36 +16,45 @@ import torch.nn.functional as F
 class PrefillChunk:
     query_start: int  # row of its first query token in the flat batch
     query_len: int
-    context_slots: torch.Tensor  # [context_len] cache slots of every token it attends to (prefix + chunk)
+    context_len: int  # tokens it attends to: cached prefix + earlier chunks + this chunk
+    block_table: torch.Tensor  # [blocks] the blocks holding those tokens
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go (block * block_size + offset)
     num_decode_tokens: int  # rows [0, num_decode_tokens) are one-token queries
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] context slots, padded
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where a slot is real
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True for real context
     prefills: list[PrefillChunk]
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache [blocks, block_size, kv_heads, head_dim], block_table [..., n] → [..., kv_heads, n * block_size, dim]."""
+    gathered = cache[block_table]  # whole blocks: contiguous copies
+    gathered = gathered.flatten(-4, -3)  # [..., n * block_size, kv_heads, head_dim]
+    return gathered.transpose(-3, -2)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]; caches: [slots, kv_heads, head_dim]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
+    caches: [blocks, block_size, kv_heads, head_dim]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # [decodes, kv_heads, context, head_dim]
-        values = v_cache[meta.decode_slots].transpose(1, 2)
+        keys = _gather_context(k_cache, meta.decode_block_tables)  # [decodes, kv_heads, context, head_dim]
+        values = _gather_context(v_cache, meta.decode_block_tables)
         out[:num_decode] = F.scaled_dot_product_attention(
             q[:num_decode].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
         ).squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        context_len = chunk.context_slots.numel()
-        keys = k_cache[chunk.context_slots].transpose(0, 1)  # [kv_heads, context, head_dim]
-        values = v_cache[chunk.context_slots].transpose(0, 1)
+        context_len = chunk.context_len
+        keys = _gather_context(k_cache, chunk.block_table)[:, :context_len]  # [kv_heads, context, head_dim]
+        values = _gather_context(v_cache, chunk.block_table)[:, :context_len]
         query = q[rows].transpose(0, 1)  # [heads, query_len, head_dim]
         if context_len == chunk.query_len:
             result = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)

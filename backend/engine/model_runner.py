@@ -39,29 +39,26 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = LlamaForCausalLM.from_pretrained(model_dir, self.dtype, self.device)
         arch = self.model.arch
-        slot_shape = (arch.num_kv_heads, arch.head_dim)
+        block_shape = (self.block_size, arch.num_kv_heads, arch.head_dim)
         self.bytes_per_block = (2 * arch.num_layers * self.block_size * arch.num_kv_heads * arch.head_dim
                                 * self.dtype.itemsize)
         self.num_blocks = config.kv_cache_memory // self.bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block "
                              f"({self.bytes_per_block} bytes)")
-        num_slots = self.num_blocks * self.block_size
         self.kv_caches = [
-            (torch.zeros(num_slots, *slot_shape, dtype=self.dtype, device=self.device),
-             torch.zeros(num_slots, *slot_shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(self.num_blocks, *block_shape, dtype=self.dtype, device=self.device),
+             torch.zeros(self.num_blocks, *block_shape, dtype=self.dtype, device=self.device))
             for _ in range(arch.num_layers)
         ]
         log.info("model on %s (%s); KV cache: %d blocks of %d tokens (%.0f MiB)", self.device, self.dtype,
                  self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
 
-    def _context_slots(self, block_tables: list[list[int]], context_len: int) -> torch.Tensor:
-        """[sequences, context_len] cache slots of positions 0..context_len-1, read through the block tables."""
+    def _block_tables(self, block_tables: list[list[int]], context_len: int) -> torch.Tensor:
+        """[sequences, blocks covering context_len], padded with block 0 (masked out by the caller)."""
         width = -(-context_len // self.block_size)
-        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in block_tables], dtype=torch.long)
-        offsets = torch.arange(self.block_size, dtype=torch.long)
-        slots = (table.unsqueeze(-1) * self.block_size + offsets).flatten(1)
-        return slots[:, :context_len].to(self.device)
+        rows = [table[:width] + [0] * (width - len(table[:width])) for table in block_tables]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step; returns last-token logits [samples, vocab] (float32) and the sequences they belong to."""
@@ -84,24 +81,25 @@ class ModelRunner:
                 sample_seqs.append(seq)
 
         decodes = [s for s in ordered if s.num_new_tokens == 1]
-        decode_slots = decode_mask = None
+        decode_tables = decode_mask = None
         if decodes:
             context_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
-            max_context = int(context_lens.max())
-            decode_slots = self._context_slots([s.seq.block_table for s in decodes], max_context)
-            decode_mask = (torch.arange(max_context) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+            decode_tables = self._block_tables([s.seq.block_table for s in decodes], int(context_lens.max()))
+            padded_len = decode_tables.shape[1] * self.block_size
+            decode_mask = (torch.arange(padded_len) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
             decode_mask = decode_mask.to(self.device)
         prefills = []
         row = len(decodes)
         for item in ordered[len(decodes):]:
             context_len = item.seq.num_computed_tokens + item.num_new_tokens
-            slots = self._context_slots([item.seq.block_table], context_len)[0]
-            prefills.append(PrefillChunk(row, item.num_new_tokens, slots))
+            table = self._block_tables([item.seq.block_table], context_len)[0]
+            prefills.append(PrefillChunk(row, item.num_new_tokens, context_len, table))
             row += item.num_new_tokens
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decodes), decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
+            num_decode_tokens=len(decodes), decode_block_tables=decode_tables, decode_mask=decode_mask,
+            prefills=prefills,
         )
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta, self.kv_caches)

@@ -18,19 +18,35 @@ class SampledToken:
     top: list[tuple[int, float]]  # the requested number of most likely tokens
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Per-row top-k (<= 0: off), top-p and min-p filtering; removed entries become -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-    remove = ranks >= k
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= top_p.unsqueeze(1)  # keeps at least the most likely token
-    remove |= probs < min_p.unsqueeze(1) * probs[:, :1]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+_CANDIDATES = 256  # filtered rows sample among their most likely tokens; wider only when the nucleus needs it
+
+
+def filtered_candidates(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row top-k (<= 0: off), top-p and min-p filtering of probabilities [rows, vocab].
+
+    Returns (kept probabilities, token ids), both [rows, candidates], most likely first; removed entries are 0.
+    Only the top candidates are sorted; a row whose nucleus reaches past them is sorted in full."""
+    vocab = probs.shape[-1]
+    width = min(vocab, max(_CANDIDATES, int(top_k.max())))
+    values, ids = probs.topk(width, dim=-1)
+    if width < vocab:
+        needs_more = (top_k <= 0) | (top_k > width)
+        needs_more &= values.sum(dim=-1) < top_p
+        if bool(needs_more.any()):
+            values, ids = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(values.shape[-1], device=probs.device).unsqueeze(0)
+    remove = ranks >= torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    remove |= values.cumsum(dim=-1) - values >= top_p.unsqueeze(1)  # always keeps the most likely token
+    remove |= values < min_p.unsqueeze(1) * values[:, :1]
+    return values.masked_fill(remove, 0.0), ids
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one uniform number per row picks an index of that row's (unnormalized) probs."""
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms.unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class Sampler:
@@ -46,19 +62,20 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             params = [seqs[i].params for i in random_rows]
             temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-            scaled = logits[rows] / temperature
+            probs = (logits[rows] / temperature).softmax(dim=-1)
+            # one draw per sequence from its own generator: reproducible whatever else is in the batch
+            uniforms = torch.cat([torch.rand(1, generator=seqs[i].generator, device=logits.device)
+                                  for i in random_rows])
             if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                scaled = filter_logits(
-                    scaled,
+                kept, ids = filtered_candidates(
+                    probs,
                     torch.tensor([p.top_k for p in params], device=logits.device),
                     torch.tensor([p.top_p for p in params], device=logits.device),
                     torch.tensor([p.min_p for p in params], device=logits.device),
                 )
-            probs = scaled.softmax(dim=-1)
-            # exponential race: argmax(p / E) with E ~ Exp(1) draws from p, with each sequence's own generator
-            noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=seqs[i].generator)
-                                 for i in random_rows])
-            chosen[rows] = (probs / noise).argmax(dim=-1)
+                chosen[rows] = ids.gather(1, sample_from(kept, uniforms).unsqueeze(1)).squeeze(1)
+            else:
+                chosen[rows] = sample_from(probs, uniforms)
 
         chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         max_top = max((seq.params.logprobs or 0) for seq in seqs)

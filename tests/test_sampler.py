@@ -1,0 +1,34 @@
+"""Sampling filters and the inverse-CDF draw, on small known distributions."""
+
+import torch
+
+from backend.engine.sampler import filtered_candidates, sample_from
+
+
+def test_filters_keep_what_each_rule_allows():
+    probs = torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]] * 4)
+    top_k = torch.tensor([2, 0, 0, 1])
+    top_p = torch.tensor([1.0, 0.75, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.3, 0.0])
+    kept, ids = filtered_candidates(probs, top_k, top_p, min_p)
+    kept_sets = [set(ids[r][kept[r] > 0].tolist()) for r in range(4)]
+    assert kept_sets[0] == {1, 3}  # top_k=2
+    assert kept_sets[1] == {1, 3, 4}  # 0.4 + 0.3 < 0.75 needs a third token
+    assert kept_sets[2] == {1, 3, 4}  # min_p: at least 0.3 * 0.4 = 0.12
+    assert kept_sets[3] == {1}  # exactly one token survives
+
+
+def test_nucleus_wider_than_the_candidate_window_is_exact():
+    vocab = 1000
+    probs = torch.full((1, vocab), 1.0 / vocab)  # flat: top_p=0.9 needs 900 tokens, more than 256 candidates
+    kept, ids = filtered_candidates(probs, torch.tensor([0]), torch.tensor([0.9]), torch.tensor([0.0]))
+    assert int((kept > 0).sum()) == 900
+
+
+def test_inverse_cdf_draws_follow_the_distribution():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25]])
+    draws = torch.stack([sample_from(probs, torch.rand(1, generator=generator)) for _ in range(20000)]).flatten()
+    counts = torch.bincount(draws, minlength=5).float() / draws.numel()
+    assert counts[0] == 0 and counts[2] == 0
+    assert torch.allclose(counts, probs[0], atol=0.02)
