@@ -13,10 +13,12 @@ from openai_adapter.concurrency import merge
 from openai_adapter.errors import internal_error, invalid_request, model_not_found, unsupported_parameter
 from openai_adapter.logprobs import LogprobsAccumulator
 from openai_adapter.protocol import (
+    CachedTokensDetails,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
+    SglExt,
     StreamOptions,
     Usage,
 )
@@ -103,6 +105,7 @@ class CompletionAssembler:
         ]
         self._prompt_tokens = [0] * len(prompts)
         self._cached_tokens = [0] * len(prompts)
+        self._with_cache_details = request.return_cached_tokens_details
 
     def add(self, prompt_index: int, chunk: TritonChunk) -> list[CompletionChoice]:
         """Record a response to the request of prompt `prompt_index`; returns the choices with news."""
@@ -133,7 +136,11 @@ class CompletionAssembler:
         )
 
     def chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.id, created=self._created, model=self._model, choices=choices, usage=usage)
+        sglext = None
+        if usage is not None and self._with_cache_details:
+            sglext = SglExt(cached_tokens_details=CachedTokensDetails(device=sum(self._cached_tokens)))
+        return CompletionResponse(id=self.id, created=self._created, model=self._model, choices=choices,
+                                  usage=usage, sglext=sglext)
 
     def response(self) -> CompletionResponse:
         self.check_finished()

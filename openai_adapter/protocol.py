@@ -3,7 +3,7 @@
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from openai_adapter.errors import from_validation_error, invalid_request
 
@@ -68,6 +68,8 @@ class CompletionRequest(NotYetSupportedParameters):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_cached_tokens_details: bool = False
+    """SGLang extension: add `sglext.cached_tokens_details` beside the usage."""
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []
     seed: int | None = None
@@ -169,6 +171,19 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CachedTokensDetails(BaseModel):
+    """Where the prompt's cached tokens came from, per cache tier (SGLang's shape; only the device tier exists)."""
+
+    device: int
+    host: int = 0
+    storage: int = 0
+    storage_backend: str | None = None
+
+
+class SglExt(BaseModel):
+    cached_tokens_details: CachedTokensDetails
+
+
 class CompletionResponse(BaseModel):
     """A whole completion, or one streamed chunk of it (same object type, as in OpenAI's API)."""
 
@@ -178,6 +193,14 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    sglext: SglExt | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_extension(self, handler) -> dict:
+        data = handler(self)
+        if data.get("sglext") is None:
+            data.pop("sglext", None)
+        return data
 
 
 class ModelCard(BaseModel):

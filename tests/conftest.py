@@ -22,6 +22,8 @@ from backend.model_files import prepare_default_model, served_model_name
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STACK_START_TIMEOUT_S = 180
 STACK_KV_CACHE_MEMORY = "128MiB"  # ~2,900 tokens of SmolLM2-135M KV in float32: keeps the test stack light
+STACK_MAX_NUM_SEQS = 8  # small limits so the overload test reaches them with few clients
+STACK_MAX_QUEUE_LEN = 8
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ def stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     command = [
         sys.executable, "-m", "backend.cli", "serve",
         "--model", str(default_model_dir), "--kv-cache-memory", STACK_KV_CACHE_MEMORY,
+        "--max-num-seqs", str(STACK_MAX_NUM_SEQS), "--max-queue-len", str(STACK_MAX_QUEUE_LEN),
         "--port", str(adapter_port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--metrics-port", str(metrics_port), "--state-dir", str(state_dir),
     ]

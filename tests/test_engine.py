@@ -137,21 +137,27 @@ def test_abort_frees_blocks_and_reports_abort(engine):
     assert_idle(engine)
 
 
-def test_prefix_cache_reuses_blocks_and_keeps_output(engine):
-    shared = "You are a helpful assistant. Answer briefly and precisely. " * 10
+@pytest.fixture(scope="module")
+def small_uncached_engine(default_model_dir, engine) -> LLMEngine:
+    """13 blocks of 16 tokens: far too few for the six PROMPTS at once, enough for each alone."""
+    return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=13 * engine.runner.bytes_per_block,
+                                  max_num_batched_tokens=48, enable_prefix_caching=False))
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output(engine, small_uncached_engine):
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 5
+    [uncached] = generate(small_uncached_engine, [shared + "What is 2+2?"], GREEDY)
     [first] = generate(engine, [shared + "What is 2+2?"], GREEDY)
     [second] = generate(engine, [shared + "What is 2+2?"], GREEDY)
     assert second.outputs[-1].num_cached_tokens >= 16 * ((first.outputs[-1].num_prompt_tokens - 1) // 16)
-    assert second.token_ids() == first.token_ids()
+    assert second.token_ids() == first.token_ids() == uncached.token_ids()
     assert engine.stats()["prefix_cache_hit_rate"] > 0
     assert_idle(engine)
 
 
-def test_preemption_keeps_greedy_outputs(default_model_dir, engine):
+def test_preemption_keeps_greedy_outputs(engine, small_uncached_engine):
     expected = [r.token_ids() for r in generate(engine, PROMPTS, GREEDY)]
-    # 13 blocks of 16 tokens: far too few for six sequences at once, enough for each alone
-    small = LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=13 * engine.runner.bytes_per_block,
-                                   max_num_batched_tokens=48, enable_prefix_caching=False))
+    small = small_uncached_engine
     results = generate(small, PROMPTS, GREEDY)
     assert small.stats()["preemptions"] > 0
     assert [r.token_ids() for r in results] == expected

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import re
 import time
 
 import httpx
@@ -17,26 +16,9 @@ import torch
 import tritonclient.grpc as grpcclient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stack_helpers import metric, wait_until_idle
+
 PROMPT = "The capital of France is"
-
-
-def metric(stack, name: str) -> float:
-    text = httpx.get(stack.metrics_url, timeout=5).text
-    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert match, f"{name} not exported"
-    return float(match.group(1))
-
-
-def wait_until_idle(stack, timeout: float = 20.0) -> None:
-    """The engine has nothing running or waiting and every KV block is free again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        values = [metric(stack, f"tritonllm:{n}") for n in
-                  ("num_requests_running", "num_requests_waiting", "kv_cache_free_blocks", "kv_cache_total_blocks")]
-        if values[0] == 0 and values[1] == 0 and values[2] == values[3] > 0:
-            return
-        assert time.monotonic() < deadline, f"engine not idle: running, waiting, free, total = {values}"
-        time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
