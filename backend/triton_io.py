@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import ChoiceDelta, RequestOutput
+from backend.engine.sequence import RequestOutput, TokenLogprob
 from backend.errors import InvalidRequest
 
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
-                "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens")
+                "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
+                "return_matched_stop")
 INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output") + RETURN_FLAGS
 
 
@@ -60,6 +61,8 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
     params = SamplingParams.from_json(None if raw_params is None else _text(raw_params, "sampling_parameters"))
     flags = {name: bool(_scalar(inputs.get(name), name)) for name in ("stream", "exclude_input_in_output")
              + RETURN_FLAGS}
+    if flags["stream"] and params.num_sequences > params.n:
+        raise InvalidRequest("best_of > n cannot be streamed: the best choices are known only at the end")
     return ParsedRequest(
         prompt=prompt, params=params, stream=flags["stream"],
         exclude_input_in_output=flags["exclude_input_in_output"],
@@ -67,12 +70,11 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
     )
 
 
-def _logprob_entries(delta: ChoiceDelta) -> list[dict]:
-    return [
-        {"token": lp.token, "token_id": lp.token_id, "logprob": lp.logprob,
-         "top": {text: logprob for _, text, logprob in lp.top}}
-        for lp in delta.logprobs
-    ]
+def _logprob_entry(lp: TokenLogprob | None) -> dict | None:
+    if lp is None:
+        return None
+    return {"token": lp.token, "token_id": lp.token_id, "logprob": lp.logprob,
+            "top": {text: logprob for _, text, logprob in lp.top}}
 
 
 class ResponseBuilder:
@@ -80,40 +82,64 @@ class ResponseBuilder:
 
     def __init__(self, request: ParsedRequest):
         self.request = request
-        n = request.params.n
-        self.texts = [""] * n
-        self.finish_reasons = [""] * n
-        self.logprobs: list[list] = [[] for _ in range(n)]
-        self.cumulative_logprobs = [0.0] * n
-        self.num_output_tokens = [0] * n
+        count = request.params.num_sequences
+        self.texts = [""] * count
+        self.finish_reasons = [""] * count
+        self.matched_stops: list[str | int | None] = [None] * count
+        self.logprobs: list[list] = [[] for _ in range(count)]
+        self.cumulative_logprobs = [0.0] * count
+        self.num_output_tokens = [0] * count
+        self.prompt_logprobs: list | None = None
         if not request.stream and not request.exclude_input_in_output and isinstance(request.prompt, str):
-            self.texts = [request.prompt] * n
+            self.texts = [request.prompt] * count
 
     def on_output(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
-        n = self.request.params.n
+        count = self.request.params.num_sequences
         if self.request.stream:  # each response carries only what is new
-            self.texts, self.logprobs, self.finish_reasons = [""] * n, [[] for _ in range(n)], [""] * n
+            self.texts, self.logprobs = [""] * count, [[] for _ in range(count)]
+            self.finish_reasons, self.matched_stops = [""] * count, [None] * count
+            self.prompt_logprobs = None
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = [_logprob_entry(lp) for lp in output.prompt_logprobs]
         for delta in output.choices:
             i = delta.index
             self.texts[i] += delta.text
-            self.logprobs[i].extend(_logprob_entries(delta))
+            self.logprobs[i].extend(map(_logprob_entry, delta.logprobs))
             self.cumulative_logprobs[i] = delta.cumulative_logprob
             self.num_output_tokens[i] = delta.num_output_tokens
             self.finish_reasons[i] = delta.finish_reason or ""
+            self.matched_stops[i] = delta.matched_stop
         if not self.request.stream and not output.finished:
             return None
-        tensors = {"text_output": np.array([t.encode("utf-8") for t in self.texts], dtype=np.object_)}
+        return self._tensors(output, self._kept_choices())
+
+    def _kept_choices(self) -> list[int]:
+        """All choices, or with best_of the n most likely (by cumulative logprob), best first."""
+        count, n = self.request.params.num_sequences, self.request.params.n
+        if count == n:
+            return list(range(count))
+        return sorted(range(count), key=lambda i: self.cumulative_logprobs[i], reverse=True)[:n]
+
+    def _tensors(self, output: RequestOutput, kept: list[int]) -> dict[str, np.ndarray]:
+        def strings(values) -> np.ndarray:
+            return np.array([values[i].encode("utf-8") for i in kept], dtype=np.object_)
+
+        tensors = {"text_output": strings(self.texts)}
         wanted = self.request.returns
         if "finish_reason" in wanted:
-            tensors["finish_reason"] = np.array([r.encode() for r in self.finish_reasons], dtype=np.object_)
+            tensors["finish_reason"] = strings(self.finish_reasons)
+        if "matched_stop" in wanted:
+            tensors["matched_stop"] = strings([json.dumps(m) for m in self.matched_stops])
         if "cumulative_logprob" in wanted:
-            tensors["cumulative_logprob"] = np.array(self.cumulative_logprobs, dtype=np.float32)
+            tensors["cumulative_logprob"] = np.array([self.cumulative_logprobs[i] for i in kept], dtype=np.float32)
         if "logprobs" in wanted:
-            tensors["logprobs"] = np.array([json.dumps(lp).encode() for lp in self.logprobs], dtype=np.object_)
+            tensors["logprobs"] = strings([json.dumps(entries) for entries in self.logprobs])
+        if self.prompt_logprobs is not None:
+            tensors["prompt_logprobs"] = np.array([json.dumps(self.prompt_logprobs).encode()], dtype=np.object_)
         if "num_input_tokens" in wanted:
             tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
         if "num_output_tokens" in wanted:
-            tensors["num_output_tokens"] = np.array(self.num_output_tokens, dtype=np.uint32)
+            tensors["num_output_tokens"] = np.array([self.num_output_tokens[i] for i in kept], dtype=np.uint32)
         if "num_cached_tokens" in wanted:
             tensors["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.uint32)
         return tensors

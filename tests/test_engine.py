@@ -50,9 +50,12 @@ def test_greedy_matches_transformers_generate(engine, default_model_dir):
     assert_idle(engine)
 
 
-def test_concurrent_greedy_equals_each_alone(engine):
-    alone = [generate(engine, [p], GREEDY)[0].token_ids() for p in PROMPTS]
-    together = [r.token_ids() for r in generate(engine, PROMPTS, GREEDY)]
+def test_sixteen_concurrent_greedy_requests_equal_each_alone(engine):
+    # lengths from 3 to ~120 tokens; several exceed the engine's 48-token step budget, so they prefill in chunks
+    prompts = PROMPTS + [f"Item {i}: " + "a list of colors, " * (i * 2) for i in range(10)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    alone = [generate(engine, [p], params)[0].token_ids() for p in prompts]
+    together = [r.token_ids() for r in generate(engine, prompts, params)]
     assert together == alone
     assert_idle(engine)
 
@@ -177,3 +180,58 @@ def test_admission_errors(engine):
     [zero] = generate(engine, ["Hello"], SamplingParams(max_tokens=0))
     assert zero.text() == "" and zero.finish_reason() == "length"
     assert_idle(engine)
+
+
+def test_prompt_logprobs_match_transformers_across_prefill_chunks(engine, default_model_dir):
+    hf_model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    prompt = PROMPTS[1]  # longer than the 48-token step budget: computed over several chunks
+    ids = engine.tokenizer.encode(prompt)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for _ in range(2):  # the second time the prompt is in the prefix cache, which must not be used
+        [result] = generate(engine, [prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))
+        entries = result.outputs[0].prompt_logprobs
+        assert len(entries) == len(ids) and entries[0] is None
+        for position, entry in enumerate(entries[1:], start=1):
+            assert entry.token_id == ids[position]
+            assert abs(entry.logprob - expected[position - 1, ids[position]].item()) <= 1e-3
+            top_ids = [token_id for token_id, _, _ in entry.top]
+            assert top_ids == expected[position - 1].topk(3).indices.tolist()
+        assert all(o.prompt_logprobs is None for o in result.outputs[1:])  # sent once
+
+
+def test_logit_bias_forces_and_bans_tokens(engine):
+    [free] = generate(engine, ["The capital of France is"], SamplingParams(max_tokens=6, temperature=0.0))
+    forced_id = engine.tokenizer.encode(" banana")[0]
+    [forced] = generate(engine, ["The capital of France is"],
+                        SamplingParams(max_tokens=6, temperature=0.0, logit_bias={forced_id: 100.0}))
+    assert forced.token_ids() == [forced_id] * 6
+    banned = free.token_ids()[0]
+    [without] = generate(engine, ["The capital of France is"],
+                         SamplingParams(max_tokens=6, temperature=0.9, seed=3, logit_bias={banned: -100.0}))
+    assert banned not in without.token_ids()
+
+
+def test_penalties_change_repetitive_output(engine):
+    prompt = "Write the word hello ten times: hello hello"  # greedy repeats " hello" to the end
+    base = SamplingParams(max_tokens=16, temperature=0.0)
+    [plain] = generate(engine, [prompt], base)
+    hello = plain.token_ids()[0]
+    assert plain.token_ids() == [hello] * 16
+    for change in ({"frequency_penalty": 1.0}, {"presence_penalty": 1.0}, {"repetition_penalty": 1.5}):
+        [penalized] = generate(engine, [prompt], SamplingParams(**{**base.__dict__, **change}))
+        assert penalized.token_ids().count(hello) <= 2, change
+
+
+def test_stop_regex_no_stop_trim_and_matched_stop(engine):
+    prompt = "1, 2, 3, 4,"
+    [free] = generate(engine, [prompt], GREEDY)
+    text = free.text()
+    [regex] = generate(engine, [prompt], SamplingParams(max_tokens=32, temperature=0.0, stop_regex=[r"\b7\b"]))
+    assert regex.text() == text[:text.index("7")] and regex.finish_reason() == "stop"
+    assert regex.outputs[-1].choices[-1].matched_stop == "7"
+    [kept] = generate(engine, [prompt], SamplingParams(max_tokens=32, temperature=0.0, stop=[" 7,"], no_stop_trim=True))
+    assert kept.text() == text[:text.index(" 7,") + 3]
+    assert kept.outputs[-1].choices[-1].matched_stop == " 7,"
+    [length] = generate(engine, [prompt], SamplingParams(max_tokens=3, temperature=0.0))
+    assert length.outputs[-1].choices[-1].matched_stop is None

@@ -54,7 +54,7 @@ class BlockManager:
 
         The last token is always left to compute, since its logits are needed to sample."""
         assert not seq.block_table
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         parent_key = None

@@ -15,9 +15,10 @@ from transformers import AutoTokenizer
 from backend.config import EngineConfig
 from backend.engine.block_manager import BlockManager
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.model_runner import ModelRunner
+from backend.engine.model_runner import ModelRunner, PromptLogits
 from backend.engine.output_processor import OutputProcessor
-from backend.engine.sampler import Sampler
+from backend.engine.sampler import Sampler, score
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request, RequestOutput, Sequence
 from backend.errors import InvalidRequest
@@ -79,7 +80,8 @@ class LLMEngine:
             raise InvalidRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({request.max_tokens}) exceeds the context length "
                 f"of {capacity} tokens")
-        for index in range(request.params.n):
+        self._check_token_ids(request.params)
+        for index in range(request.params.num_sequences):
             generator = torch.Generator(device=self.runner.device)
             if request.params.seed is None:
                 generator.seed()
@@ -96,6 +98,12 @@ class LLMEngine:
             return
         for seq in request.sequences:
             self.scheduler.add(seq)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in token_ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"{name} has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -127,7 +135,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        logits, sample_seqs = self.runner.execute(scheduled)
+        logits, sample_seqs, prompt_logits = self.runner.execute(scheduled)
+        for chunk in prompt_logits:
+            self._record_prompt_logprobs(chunk)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
@@ -142,13 +152,30 @@ class LLMEngine:
             self._emit(self.requests[request_id], seqs, outputs)
         return outputs
 
+    def _record_prompt_logprobs(self, chunk: PromptLogits) -> None:
+        seq = chunk.seq
+        if len(seq.prompt_logprobs) != (chunk.start + 1 if chunk.start else 0):  # recorded before a preemption
+            return
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # the first token has no context to be predicted from
+        rows = chunk.logits.shape[0]
+        targets = torch.tensor(seq.token_ids[chunk.start + 1:chunk.start + 1 + rows], device=chunk.logits.device)
+        scored = score(torch.log_softmax(chunk.logits, dim=-1), targets, [seq.params.prompt_logprobs] * rows)
+        seq.prompt_logprobs.extend(map(self.output_processor.token_logprob, scored))
+
     def _emit(self, request: Request, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
         choices = [delta for delta in map(self.output_processor.take_delta, seqs) if delta is not None]
         finished = request.finished
         if choices or finished:
+            prompt_logprobs = None
+            first = request.sequences[0]
+            if first.params.prompt_logprobs is not None and not request.prompt_logprobs_sent \
+                    and not first.needs_prompt_logprobs:
+                prompt_logprobs, request.prompt_logprobs_sent = first.prompt_logprobs, True
             outputs.append(RequestOutput(
                 request.request_id, choices, len(request.prompt_token_ids),
-                min(seq.num_cached_tokens for seq in request.sequences), finished))
+                min(seq.num_cached_tokens for seq in request.sequences), finished,
+                prompt_logprobs=prompt_logprobs))
         if finished:
             del self.requests[request.request_id]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +15,13 @@ from backend.engine.sequence import Sequence
 from backend.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+
+@dataclass
+class PromptLogits:
+    seq: Sequence
+    start: int  # prompt position of the first row
+    logits: torch.Tensor  # [positions, vocab]: row i predicts the token at start + i + 1
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,8 +68,9 @@ class ModelRunner:
         rows = [table[:width] + [0] * (width - len(table[:width])) for table in block_tables]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns last-token logits [samples, vocab] (float32) and the sequences they belong to."""
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
+        """Run one step. Returns last-token logits [samples, vocab] (float32), the sequences they belong to,
+        and the logits of every position of prompt chunks whose prompt logprobs were asked for."""
         # one-token queries first (batched attention), then prefill chunks (attention per chunk)
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids: list[int] = []
@@ -69,9 +78,13 @@ class ModelRunner:
         slot_mapping: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_chunks: list[tuple[Sequence, int, int, int]] = []  # (sequence, first row, first position, rows)
         for item in ordered:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
+            scored = min(end, seq.num_prompt_tokens - 1) - start  # positions that predict a prompt token
+            if seq.needs_prompt_logprobs and scored > 0:
+                prompt_chunks.append((seq, len(input_ids), start, scored))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table, size = seq.block_table, self.block_size
@@ -103,7 +116,9 @@ class ModelRunner:
         )
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta, self.kv_caches)
+        prompt_logits = [PromptLogits(seq, start, self.model.compute_logits(hidden[row:row + rows]))
+                         for seq, row, start, rows in prompt_chunks]
         if not sample_rows:
-            return torch.empty(0, self.model.arch.vocab_size), []
+            return torch.empty(0, self.model.arch.vocab_size), [], prompt_logits
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return logits, sample_seqs
+        return logits, sample_seqs, prompt_logits

@@ -27,36 +27,60 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
+    def token_logprob(self, sampled: SampledToken) -> TokenLogprob:
+        text = self.detokenizer.token_text
+        return TokenLogprob(sampled.token_id, text(sampled.token_id), sampled.logprob,
+                            [(token_id, text(token_id), logprob) for token_id, logprob in sampled.top])
+
     def append_token(self, seq: Sequence, sampled: SampledToken) -> None:
         """Add the sampled token; sets seq.finish_reason when the sequence is done."""
         seq.token_ids.append(sampled.token_id)
         seq.cumulative_logprob += sampled.logprob
         params = seq.params
         if params.logprobs is not None:
-            text = self.detokenizer.token_text
-            seq.pending_logprobs.append(TokenLogprob(
-                sampled.token_id, text(sampled.token_id), sampled.logprob,
-                [(token_id, text(token_id), logprob) for token_id, logprob in sampled.top]))
+            seq.pending_logprobs.append(self.token_logprob(sampled))
 
         may_stop = seq.num_output_tokens >= params.min_tokens
-        stopped_by_token = may_stop and (
+        stop_token = may_stop and (
             sampled.token_id in params.stop_token_ids
             or (not params.ignore_eos and sampled.token_id in self.eos_token_ids))
-        if stopped_by_token:  # the stop token's own text is not part of the output
-            seq.finish_reason = "stop"
+        if stop_token and not params.no_stop_trim:  # the stop token's own text is not part of the output
+            self._finish(seq, "stop", sampled.token_id)
             return
         searched_from = len(seq.output_text)
         seq.output_text += self.detokenizer.decode_new_text(seq)
-        if may_stop and params.stop:
-            longest = max(len(stop) for stop in params.stop)
-            start = max(0, searched_from - longest + 1)
-            hits = [i for i in (seq.output_text.find(stop, start) for stop in params.stop) if i >= 0]
-            if hits:
-                seq.output_text = seq.output_text[:min(hits)]
-                seq.finish_reason = "stop"
-                return
+        if stop_token:
+            self._finish(seq, "stop", sampled.token_id)
+            return
+        if may_stop and (params.stop or params.stop_regex) and self._find_stop_string(seq, searched_from):
+            return
         if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
+            self._finish(seq, "length", None)
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, matched: str | int | None) -> None:
+        seq.finish_reason, seq.matched_stop = reason, matched
+
+    def _find_stop_string(self, seq: Sequence, searched_from: int) -> bool:
+        """End the sequence at the earliest stop string or stop_regex match in its text, if any."""
+        params, text = seq.params, seq.output_text
+        matches = []  # (start, end, what matched)
+        if params.stop:
+            start = max(0, searched_from - max(len(stop) for stop in params.stop) + 1)
+            for stop in params.stop:
+                found = text.find(stop, start)
+                if found >= 0:
+                    matches.append((found, found + len(stop), stop))
+        for pattern in params.stop_patterns:  # a regex may match anywhere, so the whole text is searched
+            found = pattern.search(text)
+            if found:
+                matches.append((found.start(), found.end(), found.group(0)))
+        if not matches:
+            return False
+        start, end, matched = min(matches)
+        seq.output_text = text[:end] if params.no_stop_trim else text[:start]
+        self._finish(seq, "stop", matched)
+        return True
 
     def take_delta(self, seq: Sequence) -> ChoiceDelta | None:
         """What the client may see now that it has not seen yet; None when there is nothing new."""
@@ -72,4 +96,5 @@ class OutputProcessor:
             index=seq.index, text=new_text, logprobs=logprobs,
             cumulative_logprob=seq.cumulative_logprob, num_output_tokens=seq.num_output_tokens,
             finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
+            matched_stop=seq.matched_stop if seq.status is SequenceStatus.FINISHED else None,
         )

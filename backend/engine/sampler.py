@@ -1,6 +1,9 @@
-"""Chooses the next token of each sequence from its logits: greedy or temperature / top-k / top-p / min-p
-sampling, each sequence drawing from its own generator so a seeded request is reproducible whatever else
-runs beside it. Logprobs are those of the model's raw distribution (before temperature and filtering)."""
+"""Chooses the next token of each sequence from its logits.
+
+Logits are first adjusted (min_tokens bans, logit_bias, repetition/frequency/presence penalties), then the
+token is greedy or drawn with temperature / top-k / top-p / min-p, each sequence from its own generator so a
+seeded request is reproducible whatever else runs beside it. Logprobs are those of the model's raw
+distribution (before any adjustment, temperature or filtering), as in vLLM and SGLang."""
 
 from __future__ import annotations
 
@@ -42,6 +45,30 @@ def filtered_candidates(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return values.masked_fill(remove, 0.0), ids
 
 
+def score(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[SampledToken]:
+    """Each row's logprob of its token, with the row's num_top most likely alternatives."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    top_values = top_ids = []
+    if max(num_top, default=0):
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(max(num_top), dim=-1))
+    return [SampledToken(token, chosen[i], list(zip(top_ids[i][:k], top_values[i][:k])) if k else [])
+            for i, (token, k) in enumerate(zip(tokens.tolist(), num_top))]
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Per-row penalties on logits [rows, vocab]. output_counts: how often each token was generated;
+    prompt_mask: tokens present in the prompt. Repetition (HF/vLLM rule) covers prompt and output: positive
+    logits are divided by it, negative ones multiplied. Frequency and presence (OpenAI's formula) cover the
+    output only: logit -= frequency * count + presence * (count > 0)."""
+    seen = prompt_mask | (output_counts > 0)
+    repetition = repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform number per row picks an index of that row's (unnormalized) probs."""
     cdf = probs.cumsum(dim=-1)
@@ -55,7 +82,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._block_early_stops(logits, seqs)
+        logits = self._adjust(logits, seqs)
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:
@@ -77,29 +104,46 @@ class Sampler:
             else:
                 chosen[rows] = sample_from(probs, uniforms)
 
-        chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-        max_top = max((seq.params.logprobs or 0) for seq in seqs)
-        top_values = top_ids = None
-        if max_top:
-            top_values, top_ids = logprobs.topk(max_top, dim=-1)
-            top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        results = []
-        for i, (token, seq) in enumerate(zip(chosen.tolist(), seqs)):
-            wanted = seq.params.logprobs or 0
-            top = list(zip(top_ids[i][:wanted], top_values[i][:wanted])) if wanted else []
-            results.append(SampledToken(token, chosen_logprobs[i], top))
-        return results
+        return score(logprobs, chosen, [seq.params.logprobs or 0 for seq in seqs])
 
-    def _block_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Before min_tokens, EOS and stop tokens cannot be sampled."""
-        rows = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
-        if not rows:
+    def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """min_tokens bans, logit_bias and penalties; returns logits unchanged (not copied) when none apply."""
+        bans = {i: self._early_stop_tokens(seq) for i, seq in enumerate(seqs)
+                if seq.num_output_tokens < seq.params.min_tokens}
+        biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
+        penalized = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
+        if not (bans or biased or penalized):
             return logits
         logits = logits.clone()
-        for i in rows:
-            banned = set(seqs[i].params.stop_token_ids)
-            if not seqs[i].params.ignore_eos:
-                banned |= self.eos_token_ids
+        for i in biased:
+            token_ids, biases = zip(*seqs[i].params.logit_bias.items())
+            logits[i, list(token_ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        if penalized:
+            logits[penalized] = self._penalize(logits[penalized], [seqs[i] for i in penalized])
+        for i, banned in bans.items():
             if banned:
-                logits[i, list(banned)] = float("-inf")
+                logits[i, banned] = float("-inf")
         return logits
+
+    def _early_stop_tokens(self, seq: Sequence) -> list[int]:
+        """Before min_tokens, EOS and stop tokens cannot be sampled."""
+        banned = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            banned |= self.eos_token_ids
+        return sorted(banned)
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, vocab, device = len(seqs), logits.shape[-1], logits.device
+        output_counts = torch.zeros(rows, vocab, dtype=logits.dtype, device=device)
+        prompt_mask = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        for row, seq in enumerate(seqs):
+            output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=device)
+            output_counts[row].index_add_(0, output, torch.ones_like(output, dtype=logits.dtype))
+            prompt_mask[row, seq.token_ids[:seq.num_prompt_tokens]] = True
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(seq.params, name) for seq in seqs], dtype=logits.dtype, device=device)
+
+        return apply_penalties(logits, output_counts, prompt_mask, column("repetition_penalty"),
+                               column("frequency_penalty"), column("presence_penalty"))

@@ -5,6 +5,7 @@ Triton clients (vllm_backend convention) may send numbers as strings, so every f
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,21 @@ def _as_string_list(name: str, value: Any) -> list[str]:
     return [v for v in value if v]
 
 
+def _as_logit_bias(name: str, value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{name} must be an object mapping token ids to biases")
+    bias = {}
+    for key, amount in value.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"{name} keys must be token ids, got {key!r}") from None
+        bias[token_id] = _as_number(name, amount, float)
+    return bias
+
+
 def _as_int_list(name: str, value: Any) -> list[int]:
     if value is None:
         return []
@@ -66,16 +82,36 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     n: int = 1
+    best_of: int | None = None  # generate this many choices, keep the n most likely (None = n)
     stop: list[str] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    no_stop_trim: bool = False  # keep the matched stop string (or stop token's text) in the output
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
+    prompt_logprobs: int | None = None  # logprobs of the prompt tokens, with this many alternatives
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def num_sequences(self) -> int:
+        return max(self.n, self.best_of or self.n)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def stop_patterns(self) -> list[re.Pattern]:
+        return [re.compile(pattern) for pattern in self.stop_regex]
 
     @classmethod
     def from_json(cls, text: str | bytes | None) -> "SamplingParams":
@@ -102,9 +138,17 @@ class SamplingParams:
             "max_tokens": lambda k, v: None if v is None else _as_number(k, v, int),
             "seed": lambda k, v: None if v is None else _as_number(k, v, int),
             "logprobs": lambda k, v: None if v is None else _as_number(k, v, int),
+            "prompt_logprobs": lambda k, v: None if v is None else _as_number(k, v, int),
+            "best_of": lambda k, v: None if v is None else _as_number(k, v, int),
+            "frequency_penalty": lambda k, v: _as_number(k, v, float),
+            "presence_penalty": lambda k, v: _as_number(k, v, float),
+            "repetition_penalty": lambda k, v: _as_number(k, v, float),
+            "logit_bias": _as_logit_bias,
             "ignore_eos": _as_bool,
             "skip_special_tokens": _as_bool,
+            "no_stop_trim": _as_bool,
             "stop": _as_string_list,
+            "stop_regex": _as_string_list,
             "stop_token_ids": _as_int_list,
         }
         unknown = sorted(set(values) - set(casts))
@@ -126,8 +170,21 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.best_of is None or self.best_of >= self.n, "best_of must be >= n"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
+            (all(t >= 0 for t in self.logit_bias), "logit_bias keys must be non-negative token ids"),
+            (all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(message)
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise InvalidRequest(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None

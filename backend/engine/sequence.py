@@ -42,7 +42,9 @@ class Sequence:
         self.num_sent_chars = 0
         self.cumulative_logprob = 0.0
         self.pending_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] = []  # filled during prefill when requested
         self.finish_reason: str | None = None
+        self.matched_stop: str | int | None = None  # the stop string / token id that ended it
         # incremental detokenizer offsets (into token_ids)
         self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
         self.read_offset = self.num_prompt_tokens
@@ -67,6 +69,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and not all computed: its prompt must not come from the cache."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
 
 @dataclass
 class ChoiceDelta:
@@ -78,6 +85,7 @@ class ChoiceDelta:
     cumulative_logprob: float
     num_output_tokens: int
     finish_reason: str | None
+    matched_stop: str | int | None = None
 
 
 @dataclass
@@ -88,6 +96,7 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     error: Exception | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, when the prompt has been processed
 
 
 @dataclass
@@ -98,6 +107,7 @@ class Request:
     prompt_token_ids: list[int] = field(default_factory=list)
     sequences: list[Sequence] = field(default_factory=list)
     max_tokens: int = 0  # params.max_tokens resolved against the context length
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
