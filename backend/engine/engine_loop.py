@@ -27,7 +27,8 @@ class EngineLoop:
         self.engine = engine or LLMEngine(config)
         self.max_queue_len = config.max_queue_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", request_id)
-        self._num_queued = 0  # submitted, not yet admitted into the running batch
+        self._num_queued = 0  # submitted, not yet handed to the engine
+        self._num_waiting = 0  # in the engine, waiting for admission; written by the engine thread only
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -41,7 +42,7 @@ class EngineLoop:
 
         Raises Overloaded when the waiting queue is full."""
         with self._lock:
-            waiting = self._num_queued + self.engine.scheduler.num_waiting_requests()
+            waiting = self._num_queued + self._num_waiting
             if waiting >= self.max_queue_len:
                 raise Overloaded(f"the server is at capacity ({waiting} requests waiting); retry later")
             self._num_queued += 1
@@ -73,6 +74,7 @@ class EngineLoop:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
+                self._num_waiting = self.engine.scheduler.num_waiting_requests()
                 return
             if kind == "abort":
                 self.engine.abort_request(item)
@@ -97,6 +99,7 @@ class EngineLoop:
             except Exception as exc:  # a failed step must not kill the loop: fail what was in flight
                 log.exception("engine step failed; failing the requests in flight")
                 outputs = self._fail_in_flight(exc)
+            self._num_waiting = self.engine.scheduler.num_waiting_requests()
             for output in outputs:
                 self._deliver(output)
             if time.monotonic() - last_stats > _STATS_LOG_INTERVAL_S:
