@@ -10,7 +10,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from openai_adapter.concurrency import merge
-from openai_adapter.errors import internal_error, invalid_request, model_not_found, unsupported_parameter
+from openai_adapter.echo import Echo, echo_from_prompt_logprobs, engine_prompt_logprobs
+from openai_adapter.errors import (
+    internal_error,
+    invalid_request,
+    model_not_found,
+    parameter_not_enabled,
+    unsupported_parameter,
+)
 from openai_adapter.logprobs import LogprobsAccumulator
 from openai_adapter.protocol import (
     CachedTokensDetails,
@@ -37,44 +44,61 @@ def sampling_parameters(request: CompletionRequest) -> dict:
         "min_tokens": request.min_tokens,
         "skip_special_tokens": request.skip_special_tokens,
     }
-    # Absent max_tokens: the engine generates up to the end of the context.
+    # The others go only when they differ from their neutral value (the engine's default), which keeps
+    # requests that do not use them as plain as before. Absent max_tokens: up to the end of the context.
     optional = {
-        "max_tokens": request.max_tokens,
-        "seed": request.seed,
-        "stop": request.stop_strings(),
-        "stop_token_ids": request.stop_token_ids,
-        "logprobs": request.logprobs,
+        "max_tokens": (request.max_tokens, None),
+        "seed": (request.seed, None),
+        "best_of": (request.best_of, None),
+        "frequency_penalty": (request.frequency_penalty, 0.0),
+        "presence_penalty": (request.presence_penalty, 0.0),
+        "repetition_penalty": (request.repetition_penalty, 1.0),
+        "logit_bias": (request.logit_bias, {}),
+        "stop": (request.stop_strings(), []),
+        "stop_regex": (request.stop_regexes(), []),
+        "stop_token_ids": (request.stop_token_ids, []),
+        "no_stop_trim": (request.no_stop_trim, False),
+        "logprobs": (request.logprobs, None),
+        "prompt_logprobs": (engine_prompt_logprobs(request), None),
     }
-    parameters.update({name: value for name, value in optional.items() if value not in (None, [])})
+    parameters.update({name: value for name, (value, neutral) in optional.items() if value != neutral})
     return parameters
 
 
 class _ChoiceState:
     """One choice of the completion, built up from the responses of its Triton request."""
 
-    def __init__(self, index: int, echo_text: str, with_logprobs: bool) -> None:
+    def __init__(self, index: int, with_logprobs: bool) -> None:
         self.index = index
         self.finish_reason: str | None = None
+        self.matched_stop: str | int | None = None
         self.num_output_tokens = 0
         self._text_parts: list[str] = []
-        self._unsent_echo = echo_text
-        self._logprobs = LogprobsAccumulator(start_offset=len(echo_text)) if with_logprobs else None
+        self._unsent_echo = _NO_ECHO
+        self._logprobs = LogprobsAccumulator() if with_logprobs else None
+
+    def echo(self, echo: Echo) -> None:
+        """Put the prompt before the choice's text; it goes out with the next output."""
+        self._unsent_echo = echo
 
     def add(self, output: ChoiceOutput) -> CompletionChoice | None:
         """Record one response's output; returns what a stream chunk should carry, None if nothing new."""
         if self.finish_reason is not None:
             # Responses keep listing a finished choice while its siblings run; it has one finish chunk only.
             return None
-        text = self._unsent_echo + output.text
-        self._unsent_echo = ""
+        text = self._unsent_echo.text + output.text
+        entries = self._unsent_echo.logprobs + output.logprobs
+        self._unsent_echo = _NO_ECHO
         self._text_parts.append(text)
         self.finish_reason = output.finish_reason
+        self.matched_stop = output.matched_stop
         if output.num_output_tokens is not None:
             self.num_output_tokens = output.num_output_tokens
-        logprobs = self._logprobs.add(output.logprobs) if self._logprobs else None
-        if not text and not output.logprobs and self.finish_reason is None:
+        logprobs = self._logprobs.add(entries) if self._logprobs else None
+        if not text and not entries and self.finish_reason is None:
             return None
-        return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason)
+        return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
+                                matched_stop=self.matched_stop)
 
     def whole(self) -> CompletionChoice:
         return CompletionChoice(
@@ -82,7 +106,11 @@ class _ChoiceState:
             text="".join(self._text_parts),
             logprobs=self._logprobs.total if self._logprobs else None,
             finish_reason=self.finish_reason,
+            matched_stop=self.matched_stop,
         )
+
+
+_NO_ECHO = Echo("", [])
 
 
 class CompletionAssembler:
@@ -93,18 +121,22 @@ class CompletionAssembler:
         self._created = int(time.time())
         self._model = request.model
         self._n = request.n
-        prompts = request.prompts()
+        self._with_logprobs = request.logprobs is not None
+        self._prompts = request.prompts()
         self._choices = [
-            _ChoiceState(
-                index=prompt_index * request.n + choice_index,
-                echo_text=prompt if request.echo else "",
-                with_logprobs=request.logprobs is not None,
-            )
-            for prompt_index, prompt in enumerate(prompts)
-            for choice_index in range(request.n)
+            _ChoiceState(index=index, with_logprobs=self._with_logprobs)
+            for index in range(len(self._prompts) * request.n)
         ]
-        self._prompt_tokens = [0] * len(prompts)
-        self._cached_tokens = [0] * len(prompts)
+        # Prompts whose echo is built from the prompt logprobs of their first response carrying them.
+        self._awaiting_echo: set[int] = set()
+        if request.echo and engine_prompt_logprobs(request) is None:
+            for prompt_index, prompt in enumerate(self._prompts):
+                for state in self._choices_of(prompt_index):
+                    state.echo(Echo(prompt, []))
+        elif request.echo:
+            self._awaiting_echo = set(range(len(self._prompts)))
+        self._prompt_tokens = [0] * len(self._prompts)
+        self._cached_tokens = [0] * len(self._prompts)
         self._with_cache_details = request.return_cached_tokens_details
 
     def add(self, prompt_index: int, chunk: TritonChunk) -> list[CompletionChoice]:
@@ -115,15 +147,27 @@ class CompletionAssembler:
             self._prompt_tokens[prompt_index] = chunk.num_input_tokens
         if chunk.num_cached_tokens is not None:
             self._cached_tokens[prompt_index] = chunk.num_cached_tokens
-        first = prompt_index * self._n
-        updates = [state.add(output) for state, output in zip(self._choices[first : first + self._n], chunk.choices)]
+        states = self._choices_of(prompt_index)
+        if chunk.prompt_logprobs is not None and prompt_index in self._awaiting_echo:
+            self._awaiting_echo.discard(prompt_index)
+            echo = echo_from_prompt_logprobs(self._prompts[prompt_index], chunk.prompt_logprobs, self._with_logprobs)
+            for state in states:
+                state.echo(echo)
+        updates = [state.add(output) for state, output in zip(states, chunk.choices)]
         return [choice for choice in updates if choice is not None]
 
+    def _choices_of(self, prompt_index: int) -> list[_ChoiceState]:
+        first = prompt_index * self._n
+        return self._choices[first : first + self._n]
+
     def check_finished(self) -> None:
-        """Every choice must have ended with a finish reason once all Triton requests have ended."""
+        """Every choice must have ended with a finish reason once all Triton requests have ended, and every
+        echo that waits for prompt logprobs must have got them."""
         unfinished = [state.index for state in self._choices if state.finish_reason is None]
         if unfinished:
             raise internal_error(f"Triton ended the request without finishing choices {unfinished}.")
+        if self._awaiting_echo:
+            raise internal_error(f"Triton returned no prompt logprobs to echo prompts {sorted(self._awaiting_echo)}.")
 
     def usage(self) -> Usage:
         prompt_tokens = sum(self._prompt_tokens)
@@ -184,10 +228,14 @@ class CompletionService:
         unsupported = request.unsupported_parameter()
         if unsupported is not None:
             raise unsupported_parameter(unsupported)
-        if request.echo and request.logprobs is not None:
-            raise invalid_request("echo together with logprobs (prompt logprobs) is not supported yet.", "echo")
-        if request.echo and not all(isinstance(prompt, str) for prompt in request.prompts()):
-            raise invalid_request("echo is not supported yet for prompts given as token ids.", "echo")
+        disabled = request.disabled_parameter()
+        if disabled is not None:
+            raise parameter_not_enabled(disabled)
+        if request.suffix:
+            raise invalid_request(
+                f"suffix is not supported: the model '{self._served_model_name}' has no fill-in-the-middle support.",
+                "suffix",
+            )
 
     def _responses(self, request: CompletionRequest, completion_id: str) -> AsyncIterator[tuple[int, TritonChunk]]:
         """Responses of all the prompts' Triton requests, run concurrently, tagged with the prompt index."""

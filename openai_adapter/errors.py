@@ -53,6 +53,10 @@ def unsupported_parameter(param: str) -> AdapterError:
     return invalid_request(f"The parameter '{param}' is not supported yet.", param)
 
 
+def parameter_not_enabled(param: str) -> AdapterError:
+    return invalid_request(f"The parameter '{param}' is not enabled on this server.", param)
+
+
 def model_not_found(model: str) -> AdapterError:
     return AdapterError(
         404,

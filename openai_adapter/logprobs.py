@@ -1,6 +1,7 @@
 """OpenAI's legacy logprobs object, built from the engine's per-token entries.
 
-An engine entry is {"token": str, "token_id": int, "logprob": float, "top": {token text: logprob}}.
+An engine entry is {"token": str, "token_id": int, "logprob": float, "top": {token text: logprob}}; the first
+token of an echoed prompt has null logprob and top (nothing predicts it).
 """
 
 from openai_adapter.protocol import CompletionLogprobs
@@ -21,10 +22,13 @@ def completion_logprobs(entries: list[dict], start_offset: int) -> tuple[Complet
 
 
 class LogprobsAccumulator:
-    """Logprobs of one choice, arriving in pieces: keeps text offsets running across pieces."""
+    """Logprobs of one choice, arriving in pieces: keeps text offsets running across pieces.
 
-    def __init__(self, start_offset: int) -> None:
-        self._next_offset = start_offset
+    Offsets count from the start of the choice's text, an echoed prompt included, whose tokens come first.
+    """
+
+    def __init__(self) -> None:
+        self._next_offset = 0
         self.total = CompletionLogprobs()
 
     def add(self, entries: list[dict]) -> CompletionLogprobs:

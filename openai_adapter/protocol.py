@@ -1,9 +1,18 @@
 """Wire models of OpenAI's legacy completions API (plus the SGLang/vLLM extensions we accept)."""
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from openai_adapter.errors import from_validation_error, invalid_request
 
@@ -26,14 +35,6 @@ class NotYetSupportedParameters(BaseModel):
     refused (see `CompletionRequest.unsupported_parameter`) instead of being silently ignored.
     """
 
-    best_of: int | None = 1
-    suffix: str | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    stop_regex: str | list[str] | None = None
-    no_stop_trim: bool = False
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
     response_format: dict[str, Any] | None = None
@@ -44,20 +45,31 @@ class NotYetSupportedParameters(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    lora_path: str | list[str | None] | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+
+
+class NotEnabledParameters(BaseModel):
+    """SGLang features this server does not enable (LoRA adapters, hidden states, MoE routing); refused like
+    `NotYetSupportedParameters`, but with a message of their own (see `CompletionRequest.disabled_parameter`)."""
+
+    lora_path: str | list[str | None] | None = None
     return_hidden_states: bool = False
     return_routed_experts: bool = False
 
 
-class CompletionRequest(NotYetSupportedParameters):
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
+class CompletionRequest(NotYetSupportedParameters, NotEnabledParameters):
     """Body of POST /v1/completions. Unknown fields are ignored (SDKs send extra_body fields as they are)."""
 
     model: str
     prompt: Prompt
+    suffix: str | None = None
+    """Only empty: the served model has no fill-in-the-middle support (checked by the service)."""
     max_tokens: int | None = Field(16, ge=0)
     """None: generate until a stop condition or the end of the context."""
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -65,13 +77,25 @@ class CompletionRequest(NotYetSupportedParameters):
     top_k: int = Field(-1, ge=-1)
     """-1 turns top-k off."""
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] = {}
+    """Token id (as a string, JSON keys being strings) → bias added to its logit."""
     n: int = Field(1, ge=1)
     stream: bool = False
+    best_of: int | None = Field(None, ge=1)
+    """Choices generated, of which the n most likely are returned; None: n. Declared after n and stream,
+    which its validator reads."""
     stream_options: StreamOptions | None = None
     return_cached_tokens_details: bool = False
     """SGLang extension: add `sglext.cached_tokens_details` beside the usage."""
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
+    """SGLang extension: stop where one of these regular expressions matches the generated text."""
     stop_token_ids: list[int] = []
+    no_stop_trim: bool = False
+    """SGLang extension: keep the matched stop string (or stop token's text) at the end of the text."""
     seed: int | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -79,6 +103,7 @@ class CompletionRequest(NotYetSupportedParameters):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None
+    """An end-user id for abuse monitoring in OpenAI's API; accepted and ignored."""
 
     @model_validator(mode="before")
     @classmethod
@@ -112,24 +137,77 @@ class CompletionRequest(NotYetSupportedParameters):
             raise ValueError("prompt must not be empty")
         return prompt
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float]) -> dict[str, float]:
+        for key, amount in bias.items():
+            if not _TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -100.0 <= amount <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {amount} for token {key}")
+        # Canonical keys ("007" → "7") so the engine sees each token id once.
+        return {str(int(key)): amount for key, amount in bias.items()}
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is None or "n" not in info.data:  # n itself failed validation: that error is reported
+            return best_of
+        n = info.data["n"]
+        if best_of < n:
+            raise ValueError(f"best_of must be greater than or equal to n ({n}), got {best_of}")
+        if best_of > n and info.data.get("stream"):
+            # As in OpenAI's API: which choices are the best is known only once all have finished.
+            raise ValueError("best_of greater than n cannot be streamed")
+        return best_of
+
+    @field_validator("stop_regex")
+    @classmethod
+    def _check_stop_regex(cls, stop_regex: str | list[str] | None) -> str | list[str] | None:
+        for pattern in _as_list(stop_regex):
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"{pattern!r} is not a valid regular expression: {error}") from None
+        return stop_regex
+
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: each one becomes its own Triton request."""
         if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
         return list(self.prompt)
 
+    def has_token_id_prompts(self) -> bool:
+        """Whether the prompts are token ids (a batch is all text or all token ids)."""
+        return isinstance(self.prompts()[0], list)
+
     def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else self.stop
+        return _as_list(self.stop)
+
+    def stop_regexes(self) -> list[str]:
+        return _as_list(self.stop_regex)
 
     def unsupported_parameter(self) -> str | None:
         """The first not-yet-supported parameter set to something other than its neutral value."""
-        for name, field in NotYetSupportedParameters.model_fields.items():
+        return self._first_non_neutral(NotYetSupportedParameters)
+
+    def disabled_parameter(self) -> str | None:
+        """The first parameter of a feature not enabled here, set to something other than its neutral value."""
+        return self._first_non_neutral(NotEnabledParameters)
+
+    def _first_non_neutral(self, group: type[BaseModel]) -> str | None:
+        for name, field in group.model_fields.items():
             value = getattr(self, name)
             if value != field.default and value not in ("", [], {}):
                 return name
         return None
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    """One string, a list of strings or None, as a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
@@ -158,6 +236,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    """SGLang extension: the stop string (or text a stop_regex matched) or the stop token id (EOS included)
+    that ended the choice; null while it runs or when it ended otherwise (e.g. by length)."""
 
 
 class PromptTokensDetails(BaseModel):

@@ -42,6 +42,7 @@ _ALWAYS_RETURNED = (
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_num_cached_tokens",
+    "return_matched_stop",
 )
 
 # The backend tags the errors it raises on purpose (gRPC stream errors carry no status code);
@@ -63,6 +64,8 @@ class ChoiceOutput:
     """Engine entries of the new tokens; empty unless logprobs were requested."""
     num_output_tokens: int | None
     """Tokens generated so far."""
+    matched_stop: str | int | None
+    """The stop string (or stop_regex match) or stop token id that finished the choice; None until then."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class TritonChunk:
     choices: list[ChoiceOutput]
     num_input_tokens: int | None
     num_cached_tokens: int | None
+    prompt_logprobs: list[dict | None] | None
+    """Engine entries of every prompt token (the first None), in one response only, when requested."""
 
 
 class TritonClient:
@@ -176,15 +181,20 @@ def _parse_response(result: InferResult) -> TritonChunk:
     finish_reasons = _strings(result, "finish_reason") or [""] * count
     logprobs = [json.loads(entries) for entries in _strings(result, "logprobs")] or [[]] * count
     num_output_tokens = _ints(result, "num_output_tokens") or [None] * count
+    matched_stops = [json.loads(value) for value in _strings(result, "matched_stop")] or [None] * count
     num_input_tokens = _ints(result, "num_input_tokens")
     num_cached_tokens = _ints(result, "num_cached_tokens")
+    prompt_logprobs = _strings(result, "prompt_logprobs")
     return TritonChunk(
         choices=[
-            ChoiceOutput(text, finish_reason or None, entries, tokens)
-            for text, finish_reason, entries, tokens in zip(texts, finish_reasons, logprobs, num_output_tokens)
+            ChoiceOutput(text, finish_reason or None, entries, tokens, matched_stop)
+            for text, finish_reason, entries, tokens, matched_stop in zip(
+                texts, finish_reasons, logprobs, num_output_tokens, matched_stops
+            )
         ],
         num_input_tokens=num_input_tokens[0] if num_input_tokens else None,
         num_cached_tokens=num_cached_tokens[0] if num_cached_tokens else None,
+        prompt_logprobs=json.loads(prompt_logprobs[0]) if prompt_logprobs else None,
     )
 
 

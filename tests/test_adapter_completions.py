@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+import numpy as np
 import pytest
 
 from openai_adapter.completions import CompletionService, sampling_parameters
@@ -11,7 +12,7 @@ from openai_adapter.errors import AdapterError, invalid_request
 from openai_adapter.logprobs import LogprobsAccumulator, completion_logprobs
 from openai_adapter.protocol import CompletionRequest, CompletionResponse
 from openai_adapter.sse import DONE_EVENT, chunk_event, completion_events
-from openai_adapter.triton_client import ChoiceOutput, TritonChunk
+from openai_adapter.triton_client import ChoiceOutput, TritonChunk, _parse_response
 
 MODEL = "test-model"
 
@@ -20,15 +21,21 @@ def _request(**fields) -> CompletionRequest:
     return CompletionRequest.model_validate({"model": MODEL, "prompt": "Hi", **fields})
 
 
-def _chunk(*choices: tuple, prompt_tokens: int = 2) -> TritonChunk:
-    """A response whose choices are (text, finish_reason, num_output_tokens[, logprob entries])."""
+def _chunk(*choices: tuple, prompt_tokens: int = 2, prompt_logprobs: list | None = None) -> TritonChunk:
+    """A response whose choices are (text, finish_reason, num_output_tokens[, logprob entries[, matched_stop]])."""
     return TritonChunk(
         choices=[
-            ChoiceOutput(text, finish, list(rest[0]) if rest else [], tokens) for text, finish, tokens, *rest in choices
+            ChoiceOutput(text, finish, list(rest[0]) if rest else [], tokens, rest[1] if len(rest) > 1 else None)
+            for text, finish, tokens, *rest in choices
         ],
         num_input_tokens=prompt_tokens,
         num_cached_tokens=1,
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _entry(token: str, logprob: float, token_id: int = 0) -> dict:
+    return {"token": token, "token_id": token_id, "logprob": logprob, "top": {token: logprob}}
 
 
 class ScriptedTriton:
@@ -77,6 +84,43 @@ def test_sampling_parameters_carry_only_what_the_engine_needs():
     assert "logprobs" not in sampling_parameters(_request())
 
 
+def test_sampling_parameters_send_new_parameters_only_when_not_neutral():
+    neutral = _request(best_of=None, frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1, logit_bias={},
+                       stop_regex=[], no_stop_trim=False, echo=False)
+    assert sampling_parameters(neutral) == sampling_parameters(_request())
+    parameters = sampling_parameters(
+        _request(n=2, best_of=3, frequency_penalty=0.5, presence_penalty=-1, repetition_penalty=1.2,
+                 logit_bias={"007": -100, "42": 2.5}, stop_regex=r"\d+", no_stop_trim=True)
+    )
+    assert {name: parameters[name] for name in parameters if name not in sampling_parameters(_request())} == {
+        "best_of": 3,
+        "frequency_penalty": 0.5,
+        "presence_penalty": -1.0,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"7": -100.0, "42": 2.5},  # keys in canonical form
+        "stop_regex": [r"\d+"],
+        "no_stop_trim": True,
+    }
+    assert sampling_parameters(_request(stop_regex=["a", "b+"]))["stop_regex"] == ["a", "b+"]
+
+
+@pytest.mark.parametrize(
+    "fields, prompt_logprobs",
+    [
+        ({}, None),
+        ({"logprobs": 3}, None),
+        ({"echo": True}, None),  # a text prompt echoes itself
+        ({"echo": True, "logprobs": 3}, 3),
+        ({"echo": True, "logprobs": 0}, 0),
+        ({"echo": True, "prompt": [1, 2]}, 0),  # a token-id prompt's text comes from the prompt logprobs
+        ({"echo": True, "prompt": [[1, 2], [3]], "logprobs": 2}, 2),
+        ({"prompt": [1, 2]}, None),
+    ],
+)
+def test_prompt_logprobs_are_requested_for_echo_only_when_needed(fields, prompt_logprobs):
+    assert sampling_parameters(_request(**fields)).get("prompt_logprobs") == prompt_logprobs
+
+
 def test_logprobs_offsets_run_across_pieces():
     entries = [
         {"token": "Hel", "token_id": 1, "logprob": -0.1, "top": {"Hel": -0.1, "He": -2.0}},
@@ -89,7 +133,7 @@ def test_logprobs_offsets_run_across_pieces():
     assert logprobs.text_offset == [3, 6]
     assert end == 8
 
-    accumulator = LogprobsAccumulator(start_offset=0)
+    accumulator = LogprobsAccumulator()
     assert accumulator.add(entries[:1]).text_offset == [0]
     assert accumulator.add(entries[1:]).text_offset == [3]
     assert accumulator.total.text_offset == [0, 3]
@@ -128,6 +172,133 @@ async def test_non_streamed_echo_and_logprobs_accumulate():
     assert echoed.choices[0].text == "Hi x x"
     with_logprobs = await service.complete(_request(logprobs=1))
     assert with_logprobs.choices[0].logprobs.text_offset == [0, 2]
+
+
+async def test_matched_stop_is_kept_per_choice():
+    triton = ScriptedTriton(
+        {"Hi": [_chunk((" a", "stop", 1, [], "\n\n"), (" b", "stop", 1, [], 2), (" c", "length", 3, [], None))]}
+    )
+    response = await CompletionService(triton, MODEL).complete(_request(n=3))
+    assert [choice.matched_stop for choice in response.choices] == ["\n\n", 2, None]
+    body = json.loads(response.model_dump_json())
+    assert [choice["matched_stop"] for choice in body["choices"]] == ["\n\n", 2, None]  # null is not left out
+
+
+async def test_streamed_matched_stop_comes_with_the_finish_reason():
+    triton = ScriptedTriton(
+        {
+            "Hi": [
+                _chunk((" a", None, 1), (" b", None, 1)),
+                _chunk((".", "stop", 2, [], "."), (" c", None, 2)),
+                _chunk(("", "stop", 2, [], "."), ("", "stop", 3, [], 0)),
+            ]
+        }
+    )
+    chunks = await _collect(CompletionService(triton, MODEL).stream(_request(n=2, stream=True)))
+    assert [[(c.index, c.finish_reason, c.matched_stop) for c in chunk.choices] for chunk in chunks] == [
+        [(0, None, None), (1, None, None)],
+        [(0, "stop", "."), (1, None, None)],
+        [(1, "stop", 0)],
+    ]
+    payload = json.loads(chunk_event(chunks[1])[len("data: ") :])
+    assert [set(choice) for choice in payload["choices"]] == [
+        {"index", "text", "logprobs", "finish_reason", "matched_stop"}
+    ] * 2
+
+
+_PROMPT_LOGPROBS = [None, _entry(" there", -2.5, 11), _entry("!", -0.5, 12)]
+"""The engine's prompt logprobs for "Hi there!" tokenized as "Hi", " there", "!"."""
+
+
+async def test_echo_with_logprobs_puts_the_prompt_tokens_first():
+    completion = [_entry(" A", -0.1, 13), _entry("B", -0.2, 14)]
+    triton = ScriptedTriton({"Hi there!": [_chunk((" AB", "length", 2, completion), prompt_logprobs=_PROMPT_LOGPROBS)]})
+    response = await CompletionService(triton, MODEL).complete(_request(prompt="Hi there!", echo=True, logprobs=1))
+    [choice] = response.choices
+    assert choice.text == "Hi there! AB"
+    assert choice.logprobs.model_dump() == {
+        "tokens": ["Hi", " there", "!", " A", "B"],
+        "token_logprobs": [None, -2.5, -0.5, -0.1, -0.2],
+        "top_logprobs": [None, {" there": -2.5}, {"!": -0.5}, {" A": -0.1}, {"B": -0.2}],
+        "text_offset": [0, 2, 8, 9, 11],
+    }
+    assert all(choice.text[offset:].startswith(token) for token, offset in
+               zip(choice.logprobs.tokens, choice.logprobs.text_offset))
+    assert triton.calls[0]["parameters"]["prompt_logprobs"] == 1
+
+
+async def test_streamed_echo_with_logprobs_goes_in_each_choice_first_chunk():
+    triton = ScriptedTriton(
+        {
+            "Hi there!": [
+                _chunk((" A", None, 1, [_entry(" A", -0.1)]), ("", None, 0), prompt_logprobs=_PROMPT_LOGPROBS),
+                _chunk(("", "length", 1, []), (" C", "length", 1, [_entry(" C", -0.3)])),
+            ]
+        }
+    )
+    request = _request(prompt="Hi there!", n=2, echo=True, logprobs=0, stream=True)
+    chunks = await _collect(CompletionService(triton, MODEL).stream(request))
+    first = chunks[0].choices
+    assert [(c.index, c.text) for c in first] == [(0, "Hi there! A"), (1, "Hi there!")]
+    assert first[0].logprobs.tokens == ["Hi", " there", "!", " A"]
+    assert first[0].logprobs.text_offset == [0, 2, 8, 9]
+    assert first[1].logprobs.token_logprobs == [None, -2.5, -0.5]
+    [finished_0, finished_1] = chunks[1].choices
+    assert (finished_0.text, finished_0.logprobs.tokens) == ("", [])
+    assert (finished_1.text, finished_1.logprobs.tokens, finished_1.logprobs.text_offset) == (" C", [" C"], [9])
+
+
+async def test_echo_of_token_ids_is_the_text_of_their_prompt_logprobs():
+    prompt_logprobs = [{"token": "Hi", "token_id": 10, "logprob": None, "top": None}, *_PROMPT_LOGPROBS[1:]]
+    triton = ScriptedTriton(
+        {
+            "[10, 11, 12]": [_chunk((" A", "length", 1), prompt_logprobs=prompt_logprobs)],
+            "[10, 11]": [_chunk((" B", "length", 1), prompt_logprobs=prompt_logprobs[:2])],
+        }
+    )
+    response = await CompletionService(triton, MODEL).complete(_request(prompt=[[10, 11, 12], [10, 11]], echo=True))
+    assert [(c.text, c.logprobs) for c in response.choices] == [("Hi there! A", None), ("Hi there B", None)]
+    assert [call["parameters"]["prompt_logprobs"] for call in triton.calls] == [0, 0]
+
+
+async def test_echo_without_the_prompt_logprobs_it_needs_is_an_error():
+    triton = ScriptedTriton({"Hi": [_chunk((" A", "length", 1, [_entry(" A", -0.1)]))]})
+    with pytest.raises(AdapterError) as raised:
+        await CompletionService(triton, MODEL).complete(_request(echo=True, logprobs=0))
+    assert raised.value.status_code == 500
+
+
+def test_triton_response_parsing_reads_matched_stop_and_prompt_logprobs():
+    class Result:  # the part of tritonclient's InferResult that _parse_response uses
+        def __init__(self, outputs: dict):
+            self.outputs = outputs
+
+        def as_numpy(self, name):
+            values = self.outputs.get(name)
+            return None if values is None else np.array(values, dtype=np.object_)
+
+    chunk = _parse_response(
+        Result(
+            {
+                "text_output": [b" a", b" b", b""],
+                "finish_reason": [b"stop", b"stop", b""],
+                "matched_stop": [b'"\\n"', b"2", b"null"],
+                "prompt_logprobs": [json.dumps(_PROMPT_LOGPROBS).encode()],
+            }
+        )
+    )
+    assert [(c.finish_reason, c.matched_stop) for c in chunk.choices] == [("stop", "\n"), ("stop", 2), (None, None)]
+    assert chunk.prompt_logprobs == _PROMPT_LOGPROBS
+    without = _parse_response(Result({"text_output": [b" a"]}))
+    assert (without.choices[0].matched_stop, without.prompt_logprobs) == (None, None)
+
+
+async def test_suffix_is_refused_before_reaching_triton():
+    triton = ScriptedTriton({})
+    with pytest.raises(AdapterError) as raised:
+        await CompletionService(triton, MODEL).complete(_request(suffix=" end"))
+    assert (raised.value.status_code, raised.value.param) == (400, "suffix")
+    assert triton.calls == []
 
 
 async def test_stream_gives_each_choice_one_finish_chunk_and_usage_last():

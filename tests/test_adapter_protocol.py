@@ -66,17 +66,41 @@ def test_missing_prompt_is_400_naming_it(client):
     [
         ("temperature", "hot"),
         ("temperature", 2.5),
+        ("temperature", -0.1),
         ("n", 0),
+        ("n", 1.5),
         ("logprobs", 21),
+        ("logprobs", -1),
         ("top_p", 0),
+        ("top_p", 1.01),
         ("max_tokens", -1),
         ("stop", 3),
+        ("echo", "sometimes"),
         ("stream_options", {"include_usage": "maybe"}),
         ("prompt", []),
         ("prompt", [[]]),
         ("prompt", [1, "a"]),
         ("prompt", [-5]),
         ("prompt", {"text": "Hello"}),
+        ("frequency_penalty", 2.1),
+        ("frequency_penalty", -2.5),
+        ("presence_penalty", -2.01),
+        ("presence_penalty", "lots"),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 2.5),
+        ("logit_bias", {"50256": 101}),
+        ("logit_bias", {"50256": -100.5}),
+        ("logit_bias", {"-1": 5}),
+        ("logit_bias", {"the": 5}),
+        ("logit_bias", {"1.5": 5}),
+        ("logit_bias", [1, 2]),
+        ("stop_regex", "(unclosed"),
+        ("stop_regex", ["ok", "[z-a]"]),
+        ("stop_regex", 5),
+        ("no_stop_trim", "perhaps"),
+        ("best_of", 0),
+        ("best_of", "two"),
+        ("user", 7),
     ],
 )
 def test_wrong_value_is_400_naming_the_field(client, field, value):
@@ -86,23 +110,27 @@ def test_wrong_value_is_400_naming_the_field(client, field, value):
 
 
 @pytest.mark.parametrize(
+    "fields",
+    [
+        {"n": 3, "best_of": 2},
+        {"n": 2, "best_of": 3, "stream": True},
+    ],
+)
+def test_best_of_below_n_or_streamed_above_n_is_400(client, fields):
+    error = _error(_complete(client, **fields), 400)
+    assert error["param"] == "best_of"
+    assert "best_of" in error["message"]
+
+
+@pytest.mark.parametrize(
     "field, value",
     [
-        ("best_of", 2),
-        ("suffix", "end"),
-        ("frequency_penalty", 0.5),
-        ("presence_penalty", -1.0),
-        ("repetition_penalty", 1.1),
-        ("logit_bias", {"50256": -100}),
-        ("stop_regex", "a+"),
-        ("no_stop_trim", True),
         ("response_format", {"type": "json_object"}),
         ("json_schema", "{}"),
         ("regex", "[0-9]+"),
         ("ebnf", "root ::= 'a'"),
-        ("lora_path", "adapter"),
-        ("return_hidden_states", True),
-        ("return_routed_experts", True),
+        ("prompt_logprobs", 1),
+        ("include_stop_str_in_output", True),
     ],
 )
 def test_not_yet_supported_parameter_is_400(client, field, value):
@@ -112,25 +140,41 @@ def test_not_yet_supported_parameter_is_400(client, field, value):
 
 
 @pytest.mark.parametrize(
+    "field, value",
+    [("lora_path", "adapter"), ("lora_path", ["a", None]), ("return_hidden_states", True),
+     ("return_routed_experts", True)],
+)
+def test_parameter_of_a_feature_not_enabled_is_400(client, field, value):
+    error = _error(_complete(client, **{field: value}), 400)
+    assert error["param"] == field
+    assert "not enabled on this server" in error["message"]
+
+
+def test_suffix_is_400_naming_fill_in_the_middle(client):
+    error = _error(_complete(client, suffix="end"), 400)
+    assert error["param"] == "suffix"
+    assert "fill-in-the-middle" in error["message"]
+
+
+@pytest.mark.parametrize(
     "fields",
     [
         {"best_of": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0},
-        {"logit_bias": {}, "suffix": None, "no_stop_trim": False},
+        {"logit_bias": {}, "suffix": None, "no_stop_trim": False, "lora_path": None},
+        {"suffix": "", "return_hidden_states": False, "stop_regex": []},
         {"some_extra_body_field": {"x": 1}, "user": "alice"},
-        {"temperature": None, "n": None, "stop": None, "max_tokens": None, "logprobs": None},
+        {"temperature": None, "n": None, "stop": None, "max_tokens": None, "logprobs": None, "best_of": None},
+        {"frequency_penalty": -2, "presence_penalty": 2, "repetition_penalty": 2, "logit_bias": {"0": -100}},
+        {"logit_bias": {"50256": 100, "007": 1.5}, "stop_regex": r"\d+\.", "no_stop_trim": True},
+        {"n": 2, "best_of": 2, "stream": True},
+        {"n": 2, "best_of": 4, "temperature": 0.0, "top_p": 1e-3},
+        {"echo": True, "logprobs": 5},
+        {"echo": True, "prompt": [[1, 2], [3]], "logprobs": 0, "stream": True},
     ],
 )
-def test_neutral_and_unknown_fields_are_accepted(client, fields):
+def test_valid_neutral_and_unknown_fields_are_accepted(client, fields):
     # Accepted means the request got as far as Triton, which is down here.
     _error(_complete(client, **fields), 503)
-
-
-def test_echo_with_logprobs_is_400(client):
-    assert _error(_complete(client, echo=True, logprobs=1), 400)["param"] == "echo"
-
-
-def test_echo_of_token_ids_is_400(client):
-    assert _error(_complete(client, prompt=[1, 2, 3], echo=True), 400)["param"] == "echo"
 
 
 @pytest.mark.parametrize("stream", [False, True])
