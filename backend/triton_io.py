@@ -70,11 +70,9 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
     )
 
 
-def _logprob_entry(lp: TokenLogprob | None) -> dict | None:
-    if lp is None:
-        return None
-    return {"token": lp.token, "token_id": lp.token_id, "logprob": lp.logprob,
-            "top": {text: logprob for _, text, logprob in lp.top}}
+def _logprob_entry(lp: TokenLogprob) -> dict:
+    top = None if lp.logprob is None else {text: logprob for _, text, logprob in lp.top}
+    return {"token": lp.token, "token_id": lp.token_id, "logprob": lp.logprob, "top": top}
 
 
 class ResponseBuilder:

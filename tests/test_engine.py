@@ -178,7 +178,10 @@ def test_admission_errors(engine):
     with pytest.raises(InvalidRequest, match="empty"):
         engine.add_request(Request("empty", "", SamplingParams()))
     [zero] = generate(engine, ["Hello"], SamplingParams(max_tokens=0))
-    assert zero.text() == "" and zero.finish_reason() == "length"
+    assert zero.text() == "" and zero.finish_reason() == "length" and zero.token_ids() == []
+    [scored] = generate(engine, ["Hello there"], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert scored.token_ids() == [] and [e.token_id for e in scored.outputs[0].prompt_logprobs] == \
+        engine.tokenizer.encode("Hello there")
     assert_idle(engine)
 
 
@@ -191,7 +194,7 @@ def test_prompt_logprobs_match_transformers_across_prefill_chunks(engine, defaul
     for _ in range(2):  # the second time the prompt is in the prefix cache, which must not be used
         [result] = generate(engine, [prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))
         entries = result.outputs[0].prompt_logprobs
-        assert len(entries) == len(ids) and entries[0] is None
+        assert len(entries) == len(ids) and entries[0].logprob is None and entries[0].token_id == ids[0]
         for position, entry in enumerate(entries[1:], start=1):
             assert entry.token_id == ids[position]
             assert abs(entry.logprob - expected[position - 1, ids[position]].item()) <= 1e-3

@@ -20,7 +20,7 @@ from backend.engine.output_processor import OutputProcessor
 from backend.engine.sampler import Sampler, score
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Request, RequestOutput, Sequence
+from backend.engine.sequence import Request, RequestOutput, Sequence, TokenLogprob
 from backend.errors import InvalidRequest
 from backend.model_files import resolve_model_path
 
@@ -55,7 +55,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(IncrementalDetokenizer(self.tokenizer), self.eos_token_ids,
                                                 self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.ready_outputs: list[RequestOutput] = []  # produced outside step() (e.g. max_tokens=0, aborts)
+        self.ready_outputs: list[RequestOutput] = []  # produced outside step(): aborts
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         log.info("engine ready in %.1f s: %s, max_model_len %d", time.monotonic() - started,
@@ -90,12 +90,6 @@ class LLMEngine:
             request.sequences.append(Sequence(request, index, request.prompt_token_ids, generator))
         self.requests[request.request_id] = request
         self.num_prompt_tokens += prompt_len
-        if request.max_tokens == 0:
-            for seq in request.sequences:
-                seq.finish_reason = "length"
-                self.scheduler.finish(seq)
-            self._emit(request, request.sequences, self.ready_outputs)
-            return
         for seq in request.sequences:
             self.scheduler.add(seq)
 
@@ -142,9 +136,16 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
         touched: dict[str, list[Sequence]] = {}
-        for seq, sampled in zip(sample_seqs, self.sampler(logits, sample_seqs) if sample_seqs else []):
-            self.output_processor.append_token(seq, sampled)
-            self.num_generated_tokens += 1
+        # max_tokens=0 (e.g. scoring a prompt with echo + logprobs): the prompt is processed, nothing sampled
+        for seq in sample_seqs:
+            if seq.request.max_tokens == 0:
+                seq.finish_reason = "length"
+        generating = [i for i, seq in enumerate(sample_seqs) if seq.finish_reason is None]
+        if generating:
+            for i, sampled in zip(generating, self.sampler(logits[generating], [sample_seqs[i] for i in generating])):
+                self.output_processor.append_token(sample_seqs[i], sampled)
+                self.num_generated_tokens += 1
+        for seq in sample_seqs:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             touched.setdefault(seq.request.request_id, []).append(seq)
@@ -156,8 +157,10 @@ class LLMEngine:
         seq = chunk.seq
         if len(seq.prompt_logprobs) != (chunk.start + 1 if chunk.start else 0):  # recorded before a preemption
             return
-        if not seq.prompt_logprobs:
-            seq.prompt_logprobs.append(None)  # the first token has no context to be predicted from
+        if not seq.prompt_logprobs:  # the first token has no context to be predicted from: text only
+            first = seq.token_ids[0]
+            seq.prompt_logprobs.append(TokenLogprob(first, self.output_processor.detokenizer.token_text(first),
+                                                    None, []))
         rows = chunk.logits.shape[0]
         targets = torch.tensor(seq.token_ids[chunk.start + 1:chunk.start + 1 + rows], device=chunk.logits.device)
         scored = score(torch.log_softmax(chunk.logits, dim=-1), targets, [seq.params.prompt_logprobs] * rows)

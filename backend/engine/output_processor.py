@@ -10,14 +10,19 @@ from backend.engine.sampler import SampledToken
 from backend.engine.sequence import ChoiceDelta, Sequence, SequenceStatus, TokenLogprob
 
 
-def held_back_length(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+def held_back_length(text: str, stops: list[str], patterns: list, searched_from: int) -> int:
+    """How much of text's end may still become (part of) a stop: the longest suffix that is a proper prefix of
+    a stop string, or everything from where a stop_regex partially matches up to the end."""
     longest = 0
     for stop in stops:
         for size in range(min(len(stop) - 1, len(text)), longest, -1):
             if text.endswith(stop[:size]):
                 longest = size
                 break
+    for pattern in patterns:
+        match = pattern.search(text, searched_from, partial=True)
+        if match is not None and match.partial:
+            longest = max(longest, len(text) - match.start())
     return longest
 
 
@@ -85,7 +90,9 @@ class OutputProcessor:
     def take_delta(self, seq: Sequence) -> ChoiceDelta | None:
         """What the client may see now that it has not seen yet; None when there is nothing new."""
         text = seq.output_text
-        end = len(text) if seq.is_finished else len(text) - held_back_length(text, seq.params.stop)
+        params = seq.params
+        end = len(text) if seq.is_finished else \
+            len(text) - held_back_length(text, params.stop, params.stop_patterns, seq.num_sent_chars)
         end = max(end, seq.num_sent_chars)
         new_text = text[seq.num_sent_chars:end]
         if not new_text and not seq.pending_logprobs and not seq.is_finished:

@@ -5,8 +5,9 @@ Triton clients (vllm_backend convention) may send numbers as strings, so every f
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
+
+import regex  # like `re`, plus partial matching: needed to hold back text a stop_regex may still match
 from typing import Any
 
 from backend.errors import InvalidRequest
@@ -110,8 +111,8 @@ class SamplingParams:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
-    def stop_patterns(self) -> list[re.Pattern]:
-        return [re.compile(pattern) for pattern in self.stop_regex]
+    def stop_patterns(self) -> list[regex.Pattern]:
+        return [regex.compile(pattern) for pattern in self.stop_regex]  # compiled patterns are cached
 
     @classmethod
     def from_json(cls, text: str | bytes | None) -> "SamplingParams":
@@ -185,6 +186,6 @@ class SamplingParams:
                 raise InvalidRequest(message)
         for pattern in self.stop_regex:
             try:
-                re.compile(pattern)
-            except re.error as exc:
+                regex.compile(pattern)
+            except regex.error as exc:
                 raise InvalidRequest(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None

@@ -19,7 +19,7 @@ class SequenceStatus(enum.Enum):
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None for the first prompt token, which nothing predicts
     top: list[tuple[int, str, float]]  # the most likely alternatives: (id, text, logprob)
 
 
@@ -42,7 +42,7 @@ class Sequence:
         self.num_sent_chars = 0
         self.cumulative_logprob = 0.0
         self.pending_logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: list[TokenLogprob | None] = []  # filled during prefill when requested
+        self.prompt_logprobs: list[TokenLogprob] = []  # filled during prefill when requested
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None  # the stop string / token id that ended it
         # incremental detokenizer offsets (into token_ids)
@@ -96,7 +96,7 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     error: Exception | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, when the prompt has been processed
+    prompt_logprobs: list[TokenLogprob] | None = None  # sent once, when the prompt has been processed
 
 
 @dataclass
