@@ -238,3 +238,26 @@ def test_stop_regex_no_stop_trim_and_matched_stop(engine):
     assert kept.outputs[-1].choices[-1].matched_stop == " 7,"
     [length] = generate(engine, [prompt], SamplingParams(max_tokens=3, temperature=0.0))
     assert length.outputs[-1].choices[-1].matched_stop is None
+
+
+def test_a_request_failing_in_its_own_processing_fails_alone(engine, monkeypatch):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    [expected] = generate(engine, ["The quick brown fox"], params)
+    original = engine.output_processor.append_token
+
+    def fragile(seq, sampled):
+        if seq.request.prompt == "poison" and seq.num_output_tokens == 3:
+            raise RuntimeError("detokenizer exploded")
+        return original(seq, sampled)
+
+    monkeypatch.setattr(engine.output_processor, "append_token", fragile)
+    requests = [Request("healthy", "The quick brown fox", params), Request("sick", "poison", params)]
+    for request in requests:
+        engine.add_request(request)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    [error] = [o for o in outputs if o.error is not None]
+    assert error.request_id == "sick" and error.finished and "exploded" in str(error.error)
+    assert requests[0].sequences[0].output_token_ids == expected.token_ids()
+    assert_idle(engine)

@@ -85,6 +85,9 @@ class EngineLoop:
                 self.engine.add_request(item)
             except InvalidRequest as exc:
                 self._deliver(RequestOutput(item.request_id, [], 0, 0, True, error=exc))
+            except Exception as exc:  # e.g. the tokenizer choking: this request fails, the loop goes on
+                log.exception("request %s could not be added", item.request_id)
+                self._deliver(RequestOutput(item.request_id, [], 0, 0, True, error=exc))
 
     def _run(self) -> None:
         last_stats = time.monotonic()
@@ -107,11 +110,8 @@ class EngineLoop:
                 log.info("engine: %s", self.engine.stats())
 
     def _fail_in_flight(self, exc: Exception) -> list[RequestOutput]:
-        failed = list(self.engine.requests)
-        for request_id in failed:
-            self.engine.abort_request(request_id)
         self.engine.ready_outputs.clear()
-        return [RequestOutput(request_id, [], 0, 0, True, error=exc) for request_id in failed]
+        return [self.engine.fail_request(request_id, exc) for request_id in list(self.engine.requests)]
 
     def _deliver(self, output: RequestOutput) -> None:
         with self._lock:

@@ -130,12 +130,23 @@ class LLMEngine:
         if not scheduled:
             return outputs
         logits, sample_seqs, prompt_logits = self.runner.execute(scheduled)
+        failed: dict[str, Exception] = {}  # request id → what went wrong in its own post-processing
+
+        def isolated(seq: Sequence, work, *args) -> None:
+            """Run per-request work; an exception fails that request alone, not the batch."""
+            if seq.request.request_id in failed:
+                return
+            try:
+                work(*args)
+            except Exception as exc:
+                log.exception("request %s failed while processing its output", seq.request.request_id)
+                failed[seq.request.request_id] = exc
+
         for chunk in prompt_logits:
-            self._record_prompt_logprobs(chunk)
+            isolated(chunk.seq, self._record_prompt_logprobs, chunk)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
-        touched: dict[str, list[Sequence]] = {}
         # max_tokens=0 (e.g. scoring a prompt with echo + logprobs): the prompt is processed, nothing sampled
         for seq in sample_seqs:
             if seq.request.max_tokens == 0:
@@ -143,15 +154,27 @@ class LLMEngine:
         generating = [i for i, seq in enumerate(sample_seqs) if seq.finish_reason is None]
         if generating:
             for i, sampled in zip(generating, self.sampler(logits[generating], [sample_seqs[i] for i in generating])):
-                self.output_processor.append_token(sample_seqs[i], sampled)
+                isolated(sample_seqs[i], self.output_processor.append_token, sample_seqs[i], sampled)
                 self.num_generated_tokens += 1
+        touched: dict[str, list[Sequence]] = {}
         for seq in sample_seqs:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             touched.setdefault(seq.request.request_id, []).append(seq)
         for request_id, seqs in touched.items():
-            self._emit(self.requests[request_id], seqs, outputs)
+            if request_id not in failed:
+                isolated(seqs[0], self._emit, self.requests[request_id], seqs, outputs)
+        for request_id, exc in failed.items():
+            outputs.append(self.fail_request(request_id, exc))
         return outputs
+
+    def fail_request(self, request_id: str, exc: Exception) -> RequestOutput:
+        """End a request with an error: its sequences stop and free their blocks."""
+        request = self.requests.pop(request_id)
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+        return RequestOutput(request_id, [], len(request.prompt_token_ids), 0, True, error=exc)
 
     def _record_prompt_logprobs(self, chunk: PromptLogits) -> None:
         seq = chunk.seq
