@@ -4,6 +4,8 @@ Takes the `triton_python_backend_utils` module as an argument, so this file impo
 
 from __future__ import annotations
 
+import time
+
 GAUGES = {
     "running": ("tritonllm:num_requests_running", "Sequences in the running batch"),
     "waiting": ("tritonllm:num_requests_waiting", "Sequences waiting for admission"),
@@ -18,6 +20,14 @@ COUNTERS = {
 }
 
 
+HISTOGRAMS = {
+    "time_to_first_token": ("tritonllm:time_to_first_token_seconds", "Time from arrival to the first token",
+                            [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+    "inter_token": ("tritonllm:inter_token_latency_seconds", "Time between a request's consecutive outputs",
+                    [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
+}
+
+
 class EngineMetrics:
     def __init__(self, pb_utils, labels: dict[str, str]):
         self.families = []  # a family must outlive its metrics, so it is kept here
@@ -29,6 +39,11 @@ class EngineMetrics:
         self.gauges = {key: family(n, d, pb_utils.MetricFamily.GAUGE) for key, (n, d) in GAUGES.items()}
         self.counters = {key: family(n, d, pb_utils.MetricFamily.COUNTER) for key, (n, d) in COUNTERS.items()}
         self.counted = {key: 0 for key in COUNTERS}
+        self.histograms = {}
+        for key, (name, description, buckets) in HISTOGRAMS.items():
+            self.families.append(pb_utils.MetricFamily(name=name, description=description,
+                                                       kind=pb_utils.MetricFamily.HISTOGRAM))
+            self.histograms[key] = self.families[-1].Metric(labels=labels, buckets=buckets)
 
     def update(self, stats: dict) -> None:
         for key, metric in self.gauges.items():
@@ -36,3 +51,19 @@ class EngineMetrics:
         for key, metric in self.counters.items():
             metric.increment(float(stats[key] - self.counted[key]))
             self.counted[key] = stats[key]
+
+
+class LatencyTracker:
+    """One request's token timing: arrival → first output, then the gaps between outputs."""
+
+    def __init__(self):
+        self.arrived = time.monotonic()
+        self.last_output: float | None = None
+
+    def on_output(self, metrics: EngineMetrics) -> None:
+        now = time.monotonic()
+        if self.last_output is None:
+            metrics.histograms["time_to_first_token"].observe(now - self.arrived)
+        else:
+            metrics.histograms["inter_token"].observe(now - self.last_output)
+        self.last_output = now

@@ -204,3 +204,15 @@ def test_client_disconnects_free_every_kv_block(stack):
             httpx.post(f"{stack.base_url}/completions", json=body, timeout=1.5)
     wait_until_idle(stack)
     assert metric(stack, "tritonllm:generation_tokens_total") < 5 * 400
+
+
+def test_engine_metrics_are_exported(stack, client):
+    before = metric(stack, "tritonllm:time_to_first_token_seconds_count")
+    client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=5, temperature=0, stream=False)
+    deadline = time.monotonic() + 5
+    while metric(stack, "tritonllm:time_to_first_token_seconds_count") < before + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert metric(stack, "tritonllm:inter_token_latency_seconds_count") >= 4
+    assert metric(stack, "tritonllm:generation_tokens_total") >= 5
+    assert metric(stack, "tritonllm:kv_cache_total_blocks") > 0

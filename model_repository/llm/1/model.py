@@ -13,7 +13,7 @@ from backend.config import EngineConfig
 from backend.engine.engine_loop import EngineLoop
 from backend.errors import InvalidRequest, Overloaded
 from backend.triton_io import INPUT_NAMES, ResponseBuilder, parse_request
-from backend.triton_metrics import EngineMetrics
+from backend.triton_metrics import EngineMetrics, LatencyTracker
 
 log = logging.getLogger("tritonllm.model")
 
@@ -30,7 +30,7 @@ class TritonPythonModel:
         parameters = {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
         self.engine = EngineLoop(EngineConfig.from_strings(parameters))
         self.metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
-        self.in_flight = {}  # request id → (response_sender, ResponseBuilder)
+        self.in_flight = {}  # request id → (response_sender, ResponseBuilder, LatencyTracker)
         self.lock = threading.Lock()
         self.outbox = queue.SimpleQueue()  # (request id, RequestOutput); None stops the sender thread
         self.stopping = threading.Event()
@@ -53,7 +53,7 @@ class TritonPythonModel:
             return
         request_id = uuid.uuid4().hex
         with self.lock:
-            self.in_flight[request_id] = (sender, ResponseBuilder(parsed))
+            self.in_flight[request_id] = (sender, ResponseBuilder(parsed), LatencyTracker())
         try:
             self.engine.submit(request_id, parsed.prompt, parsed.params,
                                lambda output: self.outbox.put((request_id, output)))
@@ -84,7 +84,9 @@ class TritonPythonModel:
                 entry = self.in_flight.pop(request_id, None) if output.finished else self.in_flight.get(request_id)
             if entry is None:
                 continue
-            sender, builder = entry
+            sender, builder, latency = entry
+            if output.choices:
+                latency.on_output(self.metrics)
             if output.error is not None:
                 code = (pb_utils.TritonError.INVALID_ARG if isinstance(output.error, InvalidRequest)
                         else pb_utils.TritonError.INTERNAL)
@@ -116,7 +118,7 @@ class TritonPythonModel:
         while not self.stopping.wait(_POLL_INTERVAL_S):
             with self.lock:
                 entries = list(self.in_flight.items())
-            for request_id, (sender, _) in entries:
+            for request_id, (sender, _, _) in entries:
                 self._cancel_if_requested(request_id, sender)
             self.metrics.update(self.engine.stats())
 
