@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from stack_helpers import metric, wait_until_idle
 
 PROMPT = "The capital of France is"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +220,25 @@ def test_engine_metrics_are_exported(stack, client):
     assert metric(stack, "tritonllm:inter_token_latency_seconds_count") >= 4
     assert metric(stack, "tritonllm:generation_tokens_total") >= 5
     assert metric(stack, "tritonllm:kv_cache_total_blocks") > 0
+
+
+def test_triton_http_generate_endpoints(stack, client):
+    """Triton's own generate extension and the examples/ scripts that use it and gRPC."""
+    expected = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=8,
+                                         temperature=0).choices[0].text
+    body = {"text_input": PROMPT, "exclude_input_in_output": True, "return_finish_reason": True,
+            "sampling_parameters": json.dumps({"max_tokens": 8, "temperature": 0})}
+    whole = httpx.post(f"http://{stack.http_url}/v2/models/llm/generate", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["text_output"] == expected and whole.json()["finish_reason"] == "length"
+    events = []
+    with httpx.stream("POST", f"http://{stack.http_url}/v2/models/llm/generate_stream",
+                      json={**body, "stream": True}, timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert len(events) > 2 and "".join(e["text_output"] for e in events) == expected
+    for script, url in (("examples/grpc_stream.py", stack.grpc_url), ("examples/http_generate.py",
+                                                                       f"http://{stack.http_url}")):
+        run = subprocess.run([sys.executable, script, "--url", url, "--max-tokens", "8", PROMPT],
+                             capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.startswith(expected)
