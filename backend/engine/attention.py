@@ -1,15 +1,18 @@
-"""Attention over the paged KV cache (torch path).
+"""Attention over the paged KV cache.
 
 The flat batch puts single-token queries (decodes) first, then multi-token prefill chunks. New keys/values
 are written to the cache through `slot_mapping`; each sequence then attends to its whole context, read back
-through its block table, so cached prefixes and earlier chunks are seen exactly like fresh tokens."""
+through its block table, so cached prefixes and earlier chunks are seen exactly like fresh tokens. The ops
+come from `kernels` (Triton on CUDA, torch references elsewhere)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+import kernels
 
 
 @dataclass
@@ -21,47 +24,49 @@ class PrefillChunk:
 
 
 @dataclass
+class PrefillBatch:
+    """The prefill chunks as the prefill attention op reads them; rows relative to the first prefill row."""
+    query_starts: torch.Tensor  # [chunks]
+    query_lens: torch.Tensor  # [chunks]
+    context_lens: torch.Tensor  # [chunks]
+    block_tables: torch.Tensor  # [chunks, max blocks], padded with block 0
+
+    @classmethod
+    def pack(cls, chunks: list[PrefillChunk], first_row: int, device: torch.device) -> "PrefillBatch":
+        width = max(len(c.block_table) for c in chunks)
+        columns = [[c.query_start - first_row for c in chunks], [c.query_len for c in chunks],
+                   [c.context_len for c in chunks]]
+        starts, lens, context_lens = torch.tensor(columns, dtype=torch.int32, device=device)
+        tables = torch.stack([F.pad(c.block_table, (0, width - len(c.block_table))) for c in chunks])
+        return cls(starts, lens, context_lens, tables)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V go (block * block_size + offset)
     num_decode_tokens: int  # rows [0, num_decode_tokens) are one-token queries
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] True for real context
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int32: tokens each decode attends to
     prefills: list[PrefillChunk]
+    prefill_batch: PrefillBatch | None = field(init=False)  # packed once per step, shared by every layer
 
-
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache [blocks, block_size, kv_heads, head_dim], block_table [..., n] → [..., kv_heads, n * block_size, dim]."""
-    gathered = cache[block_table]  # whole blocks: contiguous copies
-    gathered = gathered.flatten(-4, -3)  # [..., n * block_size, kv_heads, head_dim]
-    return gathered.transpose(-3, -2)
+    def __post_init__(self):
+        self.prefill_batch = (PrefillBatch.pack(self.prefills, self.num_decode_tokens, self.slot_mapping.device)
+                              if self.prefills else None)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
     caches: [blocks, block_size, kv_heads, head_dim]."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    kernels.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        keys = _gather_context(k_cache, meta.decode_block_tables)  # [decodes, kv_heads, context, head_dim]
-        values = _gather_context(v_cache, meta.decode_block_tables)
-        out[:num_decode] = F.scaled_dot_product_attention(
-            q[:num_decode].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
-        ).squeeze(2)
-    for chunk in meta.prefills:
-        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        context_len = chunk.context_len
-        keys = _gather_context(k_cache, chunk.block_table)[:, :context_len]  # [kv_heads, context, head_dim]
-        values = _gather_context(v_cache, chunk.block_table)[:, :context_len]
-        query = q[rows].transpose(0, 1)  # [heads, query_len, head_dim]
-        if context_len == chunk.query_len:
-            result = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # the chunk's queries sit at the end of the context: causal with an offset
-            offset = context_len - chunk.query_len
-            query_pos = torch.arange(chunk.query_len, device=q.device).unsqueeze(1) + offset
-            mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= query_pos
-            result = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = result.transpose(0, 1)
+        out[:num_decode] = kernels.paged_decode_attention(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
+                                                          meta.decode_context_lens, scale)
+    if meta.prefill_batch is not None:
+        batch = meta.prefill_batch
+        out[num_decode:] = kernels.prefill_attention(q[num_decode:], k_cache, v_cache, batch.query_starts,
+                                                     batch.query_lens, batch.context_lens, batch.block_tables, scale)
     return out

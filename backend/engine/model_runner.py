@@ -94,13 +94,11 @@ class ModelRunner:
                 sample_seqs.append(seq)
 
         decodes = [s for s in ordered if s.num_new_tokens == 1]
-        decode_tables = decode_mask = None
+        decode_tables = decode_context_lens = None
         if decodes:
-            context_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes])
-            decode_tables = self._block_tables([s.seq.block_table for s in decodes], int(context_lens.max()))
-            padded_len = decode_tables.shape[1] * self.block_size
-            decode_mask = (torch.arange(padded_len) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
-            decode_mask = decode_mask.to(self.device)
+            context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+            decode_tables = self._block_tables([s.seq.block_table for s in decodes], max(context_lens))
+            decode_context_lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)
         prefills = []
         row = len(decodes)
         for item in ordered[len(decodes):]:
@@ -111,7 +109,8 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decodes), decode_block_tables=decode_tables, decode_mask=decode_mask,
+            num_decode_tokens=len(decodes), decode_block_tables=decode_tables,
+            decode_context_lens=decode_context_lens,
             prefills=prefills,
         )
         hidden = self.model(torch.tensor(input_ids, device=self.device),

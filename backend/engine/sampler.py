@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.sequence import Sequence
+from kernels import apply_logit_bias, apply_penalties
 
 
 @dataclass
@@ -53,20 +54,6 @@ def score(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> l
         top_values, top_ids = (t.tolist() for t in logprobs.topk(max(num_top), dim=-1))
     return [SampledToken(token, chosen[i], list(zip(top_ids[i][:k], top_values[i][:k])) if k else [])
             for i, (token, k) in enumerate(zip(tokens.tolist(), num_top))]
-
-
-def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
-    """Per-row penalties on logits [rows, vocab]. output_counts: how often each token was generated;
-    prompt_mask: tokens present in the prompt. Repetition (HF/vLLM rule) covers prompt and output: positive
-    logits are divided by it, negative ones multiplied. Frequency and presence (OpenAI's formula) cover the
-    output only: logit -= frequency * count + presence * (count > 0)."""
-    seen = prompt_mask | (output_counts > 0)
-    repetition = repetition.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - frequency.unsqueeze(1) * output_counts
-    return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
 
 
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -115,9 +102,12 @@ class Sampler:
         if not (bans or biased or penalized):
             return logits
         logits = logits.clone()
-        for i in biased:
-            token_ids, biases = zip(*seqs[i].params.logit_bias.items())
-            logits[i, list(token_ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        if biased:
+            entries = [(i, token, bias) for i in biased for token, bias in seqs[i].params.logit_bias.items()]
+            rows, token_ids, biases = zip(*entries)
+            apply_logit_bias(logits, torch.tensor(rows, device=logits.device),
+                             torch.tensor(token_ids, device=logits.device),
+                             torch.tensor(biases, dtype=logits.dtype, device=logits.device))
         if penalized:
             logits[penalized] = self._penalize(logits[penalized], [seqs[i] for i in penalized])
         for i, banned in bans.items():

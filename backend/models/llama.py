@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+import kernels
 from backend.engine.attention import AttentionMetadata, paged_attention
 
 
@@ -94,10 +95,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual) in one pass."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding:
@@ -110,11 +110,9 @@ class RotaryEmbedding:
         freqs = torch.outer(positions, rope_inverse_frequencies(arch).to(device))
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        first, second = x.chunk(2, dim=-1)
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place."""
+        kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
@@ -130,9 +128,10 @@ class LlamaAttention(nn.Module):
     def forward(self, positions, hidden, meta, k_cache, v_cache, rotary: RotaryEmbedding):
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
-        q = rotary(positions, q.view(tokens, self.num_heads, self.head_dim))
-        k = rotary(positions, k.view(tokens, self.num_kv_heads, self.head_dim))
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        rotary(positions, q, k)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
@@ -144,8 +143,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -156,9 +154,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
 
-    def forward(self, positions, hidden, meta, k_cache, v_cache, rotary):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, k_cache, v_cache, rotary)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, meta, k_cache, v_cache, rotary):
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
+        Carrying the two apart lets each residual add fuse into the norm that follows it."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, k_cache, v_cache, rotary)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -176,10 +181,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [tokens] → final hidden states [tokens, hidden] (before the last norm)."""
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, meta, k_cache, v_cache, self.rotary)
-        return hidden
+            hidden, residual = layer(positions, hidden, residual, meta, k_cache, v_cache, self.rotary)
+        return residual + hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

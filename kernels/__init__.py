@@ -1,0 +1,47 @@
+"""The engine's one entry point to its custom ops.
+
+Each op runs its OpenAI-Triton kernel when the tensors are on CUDA, else its torch reference (the CPU path).
+TRITONLLM_FORCE_KERNELS overrides that per call: 1 = always the kernels (on CPU that needs TRITON_INTERPRET=1 set
+before this package is imported, as the tests do), 0 = always the references (to compare on CUDA)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
+from kernels.kv_cache import store_kv_cache_reference, store_kv_cache_triton
+from kernels.prefill_attention import prefill_attention_reference, prefill_attention_triton
+from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+from kernels.sampling import (apply_logit_bias_reference, apply_logit_bias_triton, apply_penalties_reference,
+                              apply_penalties_triton, apply_token_bitmask_reference, apply_token_bitmask_triton)
+
+
+def _dispatch(kernel: Callable, reference: Callable) -> Callable:
+    """An op choosing per call by the device of its first tensor argument."""
+    def op(first: torch.Tensor, *args, **kwargs):
+        forced = os.environ.get("TRITONLLM_FORCE_KERNELS", "")
+        chosen = kernel if (forced == "1" or first.is_cuda and forced != "0") else reference
+        return chosen(first, *args, **kwargs)
+
+    op.__name__ = reference.__name__.removesuffix("_reference")
+    op.__doc__ = reference.__doc__
+    return op
+
+
+rms_norm = _dispatch(rms_norm_triton, rms_norm_reference)
+rotary_embedding = _dispatch(rotary_embedding_triton, rotary_embedding_reference)
+silu_and_mul = _dispatch(silu_and_mul_triton, silu_and_mul_reference)
+store_kv_cache = _dispatch(store_kv_cache_triton, store_kv_cache_reference)
+paged_decode_attention = _dispatch(paged_decode_attention_triton, paged_decode_attention_reference)
+prefill_attention = _dispatch(prefill_attention_triton, prefill_attention_reference)
+apply_penalties = _dispatch(apply_penalties_triton, apply_penalties_reference)
+apply_logit_bias = _dispatch(apply_logit_bias_triton, apply_logit_bias_reference)
+apply_token_bitmask = _dispatch(apply_token_bitmask_triton, apply_token_bitmask_reference)
+
+__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
+           "prefill_attention", "apply_penalties", "apply_logit_bias", "apply_token_bitmask"]
