@@ -24,6 +24,9 @@ READY_TIMEOUT_S = 600  # generous: a large model loading on a slow host
 ENGINE_OPTIONS = ("dtype", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queue_len",
                   "block_size")
 
+# CLI option → AdapterSettings field; unset (None or empty) keeps the adapter's own default.
+ADAPTER_OPTIONS = ("api_key", "max_body_bytes", "max_prompts", "max_n", "max_best_of", "max_tokens")
+
 
 class _Stop(Exception):
     """SIGINT/SIGTERM arrived: unwind and stop everything."""
@@ -54,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_option(serve, "metrics-port", 8002, "tritonserver metrics port", type=int)
     _add_option(serve, "log-level", "info", "log level of tritonllm and the adapter",
                 choices=["critical", "error", "warning", "info", "debug"])
+    # "%(default).0s" keeps --help from printing a key taken from the environment
+    _add_option(serve, "api-key", None,
+                "require 'Authorization: Bearer <key>' on /v1 routes (unset: no auth)%(default).0s")
+    _add_option(serve, "max-body-bytes", None, "largest request body (unset: 4 MiB)", type=int)
+    _add_option(serve, "max-prompts", None, "prompts per request (unset: 64)", type=int)
+    _add_option(serve, "max-n", None, "largest n (unset: 16)", type=int)
+    _add_option(serve, "max-best-of", None, "largest best_of (unset: 16)", type=int)
+    _add_option(serve, "max-tokens", None, "largest max_tokens (unset: the context's)", type=int)
     _add_option(serve, "state-dir", "", "runtime files and logs; empty for ./.state (a temp dir if unwritable)")
 
     repository = commands.add_parser(
@@ -158,8 +169,9 @@ def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_
     from openai_adapter.app import run
     from openai_adapter.settings import AdapterSettings
 
+    overrides = {name: getattr(args, name) for name in ADAPTER_OPTIONS if getattr(args, name) not in (None, "")}
     settings = AdapterSettings(triton_url=server.grpc_url, triton_model=launcher.MODEL_NAME,
-                               served_model_name=model_name)
+                               served_model_name=model_name, **overrides)
     log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, model_name)
     run(settings, args.host, args.port, args.log_level)
 

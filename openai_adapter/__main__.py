@@ -1,9 +1,10 @@
 """python -m openai_adapter: serve the OpenAI-compatible API in front of a running tritonserver."""
 
 import argparse
+import os
 
 from openai_adapter.app import run
-from openai_adapter.settings import AdapterSettings
+from openai_adapter.settings import API_KEY_ENV, AdapterSettings
 
 
 def main() -> None:
@@ -16,6 +17,17 @@ def main() -> None:
         "--request-timeout", type=float, default=defaults.request_timeout_s, help="seconds per Triton call"
     )
     parser.add_argument("--health-timeout", type=float, default=defaults.health_timeout_s, help="seconds for /health")
+    parser.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer <key>' on /v1 routes [env {API_KEY_ENV}; default: no auth]",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes, help="largest request body")
+    parser.add_argument("--max-prompts", type=int, default=defaults.max_prompts, help="prompts per request")
+    parser.add_argument("--max-n", type=int, default=defaults.max_n, help="largest n")
+    parser.add_argument("--max-best-of", type=int, default=defaults.max_best_of, help="largest best_of")
+    parser.add_argument(
+        "--max-tokens", type=int, default=defaults.max_tokens, help="largest max_tokens (default: the context's)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -26,6 +38,12 @@ def main() -> None:
         triton_model=args.triton_model,
         request_timeout_s=args.request_timeout,
         health_timeout_s=args.health_timeout,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        max_prompts=args.max_prompts,
+        max_n=args.max_n,
+        max_best_of=args.max_best_of,
+        max_tokens=args.max_tokens,
     )
     run(settings, host=args.host, port=args.port, log_level=args.log_level)
 

@@ -6,13 +6,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from openai_adapter.auth import api_key_dependency
 from openai_adapter.completions import CompletionService
 from openai_adapter.concurrency import cancel_on_disconnect
 from openai_adapter.errors import install_exception_handlers, service_unavailable
+from openai_adapter.limits import check_limits, read_body
+from openai_adapter.openapi import completion_route_docs, error_responses, install_request_components
 from openai_adapter.protocol import ModelCard, ModelList, parse_completion_request
 from openai_adapter.sse import completion_events
 from openai_adapter.settings import AdapterSettings
@@ -35,11 +38,16 @@ def create_app(settings: AdapterSettings) -> FastAPI:
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
     install_exception_handlers(app)
+    install_request_components(app)
+    with_auth = settings.api_key is not None
+    # Authentication runs as a dependency, before the body is read: strangers cannot make us read it.
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_dependency(settings.api_key))] if with_auth else [])
 
-    @app.post("/v1/completions")
+    @v1.post("/completions", **completion_route_docs(with_auth))
     async def create_completion(request: Request) -> Response:
         # Parsed by hand (not as a FastAPI body parameter) so every malformed body gets an OpenAI-format 400.
-        completion_request = parse_completion_request(await request.body())
+        completion_request = parse_completion_request(await read_body(request, settings.max_body_bytes))
+        check_limits(completion_request, settings)
         service: CompletionService = request.app.state.completions
         if completion_request.stream:
             chunks = service.stream(completion_request)
@@ -53,11 +61,13 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         completion = await cancel_on_disconnect(service.complete(completion_request), request.is_disconnected)
         return Response(completion.model_dump_json(), media_type="application/json")
 
-    @app.get("/v1/models")
+    @v1.get("/models", responses=error_responses(401) if with_auth else None)
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=settings.served_model_name, created=started)])
 
-    @app.get("/health")
+    app.include_router(v1)
+
+    @app.get("/health", responses=error_responses(503))
     async def health(request: Request) -> dict:
         triton: TritonClient = request.app.state.triton
         if not await triton.is_ready():

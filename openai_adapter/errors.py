@@ -67,6 +67,19 @@ def model_not_found(model: str) -> AdapterError:
     )
 
 
+def invalid_api_key(message: str) -> AdapterError:
+    return AdapterError(401, message, error_type="invalid_request_error", code="invalid_api_key")
+
+
+def request_too_large(max_bytes: int) -> AdapterError:
+    return AdapterError(
+        413,
+        f"The request body is larger than this server's limit of {max_bytes} bytes.",
+        error_type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
 def service_unavailable(message: str) -> AdapterError:
     return AdapterError(503, message, error_type="service_unavailable_error", retry_after=True)
 

@@ -2,6 +2,9 @@
 
 from dataclasses import dataclass
 
+API_KEY_ENV = "TRITONLLM_API_KEY"
+"""Environment variable holding the API key, read by both `tritonllm serve` and `python -m openai_adapter`."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class AdapterSettings:
@@ -14,3 +17,13 @@ class AdapterSettings:
     """Deadline of one Triton call (a whole generation, streamed or not)."""
     health_timeout_s: float = 2.0
     """How long /health may wait for Triton's readiness answers."""
+    api_key: str | None = None
+    """When set, every /v1 route requires `Authorization: Bearer <api_key>`; /health stays open."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest accepted request body (413 beyond)."""
+    max_prompts: int = 64
+    """Prompts in one batched request: each becomes its own Triton request."""
+    max_n: int = 16
+    max_best_of: int = 16
+    max_tokens: int | None = None
+    """Largest accepted max_tokens; None leaves only the engine's context-length check."""

@@ -1,0 +1,62 @@
+"""The OpenAPI description of routes whose bodies FastAPI does not parse itself.
+
+/v1/completions reads its body by hand (so malformed bodies get OpenAI-format 400s), which would leave the
+request body out of the generated schema; here it is put back, with every response the route can give.
+"""
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from openai_adapter.protocol import CompletionRequest, CompletionResponse, ErrorResponse
+
+_COMPONENT_REF = "#/components/schemas/{model}"
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: malformed JSON, a bad parameter value, or a limit exceeded (`param` names it)",
+    401: "Missing or incorrect API key (only when the server has one)",
+    404: "Unknown model",
+    413: "Request body too large",
+    503: "Triton or the model is unavailable, or the engine is overloaded (see Retry-After)",
+    504: "Triton did not finish the request in time",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` entries for the given error statuses, all with the OpenAI error body."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+def completion_route_docs(with_auth: bool) -> dict[str, Any]:
+    """Keyword arguments for the completions route decorator: its request body and responses."""
+    request_schema = CompletionRequest.model_json_schema(ref_template=_COMPONENT_REF)
+    request_schema.pop("$defs", None)  # nested models go into components (install_request_components)
+    errors = (400, 401, 404, 413, 503, 504) if with_auth else (400, 404, 413, 503, 504)
+    return {
+        "openapi_extra": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}}
+        },
+        "responses": {
+            200: {
+                "model": CompletionResponse,
+                "description": "The completion, or with `stream: true` its chunks as server-sent events "
+                "(`data: <CompletionResponse JSON>` each, then `data: [DONE]`)",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **error_responses(*errors),
+        },
+    }
+
+
+def install_request_components(app: FastAPI) -> None:
+    """Add the request models' nested schemas, which `completion_route_docs` refers to, to the components."""
+    nested = CompletionRequest.model_json_schema(ref_template=_COMPONENT_REF).get("$defs", {})
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()  # caches itself in app.openapi_schema, which this updates in place
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(nested)
+        return app.openapi_schema
+
+    app.openapi = openapi

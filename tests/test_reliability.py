@@ -1,0 +1,102 @@
+"""Reliability against real processes: schemathesis fuzzing of the live stack, and the adapter riding out a
+tritonserver restart."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import REPO_ROOT, free_ports
+
+from backend import launcher
+from backend.model_files import served_model_name
+
+sys.path.insert(0, str(REPO_ROOT))  # bench/ is scripts, not an installed package
+from bench.fuzz import run_campaign  # noqa: E402
+
+FUZZ_EXAMPLES = 130  # per operation; the GET operations have no inputs and stop after a few
+FUZZ_SEED = 20240601
+MODEL_LOAD_TIMEOUT_S = 180
+
+
+def _completion(base_url: str, model: str, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{base_url}/completions", timeout=timeout,
+                      json={"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+
+
+def test_fuzzed_requests_never_get_a_server_error_and_match_the_schema(stack):
+    root_url = stack.base_url.removesuffix("/v1")
+    started = time.monotonic()
+    sent = run_campaign(root_url, stack.model_name, examples=FUZZ_EXAMPLES, seed=FUZZ_SEED)
+    print(f"fuzz: {sent} requests in {time.monotonic() - started:.0f} s")
+    assert sent >= 100
+    assert httpx.get(f"{root_url}/health", timeout=5).status_code == 200
+    response = _completion(stack.base_url, stack.model_name)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+# --- tritonserver going away and coming back -------------------------------------------------------------------
+
+
+def _wait_for_status(url: str, status: int, timeout: float) -> float:
+    """Seconds until GET `url` answers `status`; fails after `timeout`."""
+    started = time.monotonic()
+    while True:
+        try:
+            if httpx.get(url, timeout=timeout).status_code == status:
+                return time.monotonic() - started
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() - started < timeout, f"{url} did not answer {status} within {timeout} s"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def triton_and_adapter(default_model_dir: Path, tmp_path: Path) -> Iterator[tuple[launcher.TritonServer, str, str]]:
+    """A tritonserver with the real model and, as its own process, an adapter in front of it."""
+    repository = launcher.write_model_repository(
+        tmp_path / "repo", {"model_path": str(default_model_dir), "kv_cache_memory": "64MiB"})
+    http_port, grpc_port, metrics_port, adapter_port = free_ports(4)
+    server = launcher.TritonServer(repository, tmp_path / "state", http_port=http_port, grpc_port=grpc_port,
+                                   metrics_port=metrics_port)
+    model = served_model_name(default_model_dir)
+    with open(tmp_path / "adapter.log", "wb") as log:
+        adapter = subprocess.Popen(
+            [sys.executable, "-m", "openai_adapter", "--triton-url", server.grpc_url, "--served-model-name", model,
+             "--port", str(adapter_port), "--health-timeout", "1"],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        server.start()
+        server.wait_ready(MODEL_LOAD_TIMEOUT_S)
+        yield server, f"http://127.0.0.1:{adapter_port}", model
+    finally:
+        adapter.terminate()
+        adapter.wait(10)
+        server.stop()
+
+
+def test_adapter_fails_fast_while_triton_is_down_and_recovers_without_restart(triton_and_adapter):
+    server, root_url, model = triton_and_adapter
+    _wait_for_status(f"{root_url}/health", 200, timeout=30)
+    assert _completion(f"{root_url}/v1", model).status_code == 200
+
+    server.stop()
+    assert _wait_for_status(f"{root_url}/health", 503, timeout=5) < 5
+    started = time.monotonic()
+    response = _completion(f"{root_url}/v1", model, timeout=10)
+    assert time.monotonic() - started < 5
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["type"] == "service_unavailable_error"
+    assert "retry-after" in response.headers
+
+    server.start()  # same ports
+    server.wait_ready(MODEL_LOAD_TIMEOUT_S)
+    assert _wait_for_status(f"{root_url}/health", 200, timeout=10) < 10
+    response = _completion(f"{root_url}/v1", model)
+    assert response.status_code == 200, response.text
