@@ -17,12 +17,16 @@ from backend.errors import InvalidRequest
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
                 "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
                 "return_matched_stop")
-INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output") + RETURN_FLAGS
+INPUT_NAMES = ("text_input", "input_ids", "messages", "stream", "sampling_parameters",
+               "exclude_input_in_output") + RETURN_FLAGS
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
 class ParsedRequest:
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict]  # text, token ids, or chat messages the engine renders with its template
     params: SamplingParams
     stream: bool = False
     exclude_input_in_output: bool = False
@@ -47,16 +51,43 @@ def _text(value, name: str) -> str:
     return str(value)
 
 
+def _messages(raw: str) -> list[dict]:
+    """The `messages` input: a JSON list of {role, content} chat messages."""
+    try:
+        messages = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise InvalidRequest(f"input messages is not valid JSON: {error}") from None
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("input messages must be a non-empty JSON list of {role, content} objects")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES \
+                or not isinstance(message.get("content"), str):
+            raise InvalidRequest(f"messages[{index}] must be an object with a role in {list(CHAT_ROLES)} "
+                                 "and a string content")
+    # Only role and content reach the chat template: other keys would change the rendering unnoticed.
+    return [{"role": message["role"], "content": message["content"]} for message in messages]
+
+
+def _prompt(inputs: dict[str, np.ndarray | None]) -> str | list[int] | list[dict]:
+    input_ids = inputs.get("input_ids")
+    has_ids = input_ids is not None and np.asarray(input_ids).size > 0
+    text = _scalar(inputs.get("text_input"), "text_input")
+    messages = _scalar(inputs.get("messages"), "messages")
+    if messages is not None:
+        if has_ids or text is not None:
+            raise InvalidRequest("give exactly one of text_input, input_ids and messages")
+        return _messages(_text(messages, "messages"))
+    # input_ids taking precedence over text_input is vllm_backend's behaviour, kept for its clients.
+    if has_ids:
+        return [int(t) for t in np.asarray(input_ids).reshape(-1)]
+    if text is not None:
+        return _text(text, "text_input")
+    raise InvalidRequest("the request needs a prompt: text_input, input_ids or messages")
+
+
 def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
     """inputs: tensor name → numpy array (None when the client did not send it)."""
-    input_ids = inputs.get("input_ids")
-    text = _scalar(inputs.get("text_input"), "text_input")
-    if input_ids is not None and np.asarray(input_ids).size:
-        prompt: str | list[int] = [int(t) for t in np.asarray(input_ids).reshape(-1)]
-    elif text is not None:
-        prompt = _text(text, "text_input")
-    else:
-        raise InvalidRequest("the request needs a prompt: text_input or input_ids")
+    prompt = _prompt(inputs)
     raw_params = _scalar(inputs.get("sampling_parameters"), "sampling_parameters")
     params = SamplingParams.from_json(None if raw_params is None else _text(raw_params, "sampling_parameters"))
     flags = {name: bool(_scalar(inputs.get(name), name)) for name in ("stream", "exclude_input_in_output")

@@ -1,4 +1,4 @@
-"""The HTTP service: FastAPI routes over the completion service, and the uvicorn entry point."""
+"""The HTTP service: FastAPI routes over the completion and chat services, and the uvicorn entry point."""
 
 import logging
 import time
@@ -11,12 +11,24 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from openai_adapter.auth import api_key_dependency
+from openai_adapter.chat import ChatService
 from openai_adapter.completions import CompletionService
 from openai_adapter.concurrency import cancel_on_disconnect
 from openai_adapter.errors import install_exception_handlers, service_unavailable
 from openai_adapter.limits import check_limits, read_body
-from openai_adapter.openapi import completion_route_docs, error_responses, install_request_components
-from openai_adapter.protocol import ModelCard, ModelList, parse_completion_request
+from openai_adapter.metrics import AdapterMetrics, MetricsMiddleware
+from openai_adapter.openapi import error_responses, generation_route_docs, install_request_components
+from openai_adapter.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+    parse_request,
+)
 from openai_adapter.sse import completion_events
 from openai_adapter.settings import AdapterSettings
 from openai_adapter.triton_client import TritonClient
@@ -31,6 +43,7 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         triton = TritonClient(settings)
         app.state.triton = triton
         app.state.completions = CompletionService(triton, settings.served_model_name)
+        app.state.chat = ChatService(app.state.completions)
         try:
             yield
         finally:
@@ -39,18 +52,20 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
     install_exception_handlers(app)
     install_request_components(app)
+    metrics = AdapterMetrics()
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     with_auth = settings.api_key is not None
     # Authentication runs as a dependency, before the body is read: strangers cannot make us read it.
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_dependency(settings.api_key))] if with_auth else [])
 
-    @v1.post("/completions", **completion_route_docs(with_auth))
-    async def create_completion(request: Request) -> Response:
+    async def generate(
+        request: Request, model: type[GenerationRequest], service: CompletionService | ChatService
+    ) -> Response:
         # Parsed by hand (not as a FastAPI body parameter) so every malformed body gets an OpenAI-format 400.
-        completion_request = parse_completion_request(await read_body(request, settings.max_body_bytes))
-        check_limits(completion_request, settings)
-        service: CompletionService = request.app.state.completions
-        if completion_request.stream:
-            chunks = service.stream(completion_request)
+        generation_request = parse_request(await read_body(request, settings.max_body_bytes), model)
+        check_limits(generation_request, settings)
+        if generation_request.stream:
+            chunks = service.stream(generation_request)
             # Wait for the first chunk before answering 200, so that refusals and Triton failures at the
             # start still get a proper HTTP error status.
             first = await cancel_on_disconnect(anext(chunks), request.is_disconnected)
@@ -58,8 +73,18 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             # Starlette cancels the streaming task when the client disconnects; closing the generator
             # afterwards also covers a generator that was suspended between chunks at that moment.
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
-        completion = await cancel_on_disconnect(service.complete(completion_request), request.is_disconnected)
+        completion = await cancel_on_disconnect(service.complete(generation_request), request.is_disconnected)
         return Response(completion.model_dump_json(), media_type="application/json")
+
+    @v1.post("/completions", **generation_route_docs(CompletionRequest, CompletionResponse, CompletionResponse,
+                                                     with_auth))
+    async def create_completion(request: Request) -> Response:
+        return await generate(request, CompletionRequest, request.app.state.completions)
+
+    @v1.post("/chat/completions", **generation_route_docs(ChatCompletionRequest, ChatCompletionResponse,
+                                                          ChatCompletionChunk, with_auth))
+    async def create_chat_completion(request: Request) -> Response:
+        return await generate(request, ChatCompletionRequest, request.app.state.chat)
 
     @v1.get("/models", responses=error_responses(401) if with_auth else None)
     async def list_models() -> ModelList:
@@ -73,6 +98,11 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         if not await triton.is_ready():
             raise service_unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready.")
         return {"status": "ok"}
+
+    # Outside /v1, so a Prometheus scraper needs no API key.
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return metrics.response()
 
     return app
 

@@ -1,5 +1,7 @@
 """One OpenAI completion request in, concurrent Triton requests (one per prompt) out, and their answers back.
 
+Chat requests run through here too (one prompt: the conversation); chat.py reshapes their results.
+
 The engine returns the request's `n` choices side by side in every response, so the choice of `index` c of
 prompt p gets OpenAI index p * n + c (prompt-major).
 """
@@ -22,8 +24,8 @@ from openai_adapter.logprobs import LogprobsAccumulator
 from openai_adapter.protocol import (
     CachedTokensDetails,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
+    GenerationRequest,
     PromptTokensDetails,
     SglExt,
     StreamOptions,
@@ -32,7 +34,7 @@ from openai_adapter.protocol import (
 from openai_adapter.triton_client import ChoiceOutput, TritonChunk, TritonClient
 
 
-def sampling_parameters(request: CompletionRequest) -> dict:
+def sampling_parameters(request: GenerationRequest) -> dict:
     """The engine's `sampling_parameters` JSON for a request (the same for each of its prompts)."""
     parameters = {
         "temperature": request.temperature,
@@ -58,7 +60,7 @@ def sampling_parameters(request: CompletionRequest) -> dict:
         "stop_regex": (request.stop_regexes(), []),
         "stop_token_ids": (request.stop_token_ids, []),
         "no_stop_trim": (request.no_stop_trim, False),
-        "logprobs": (request.logprobs, None),
+        "logprobs": (request.engine_logprobs(), None),
         "prompt_logprobs": (engine_prompt_logprobs(request), None),
     }
     parameters.update({name: value for name, (value, neutral) in optional.items() if value != neutral})
@@ -116,12 +118,12 @@ _NO_ECHO = Echo("", [])
 class CompletionAssembler:
     """Collects the Triton responses of one completion into OpenAI choices, chunks and usage."""
 
-    def __init__(self, request: CompletionRequest) -> None:
+    def __init__(self, request: GenerationRequest) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self._created = int(time.time())
         self._model = request.model
         self._n = request.n
-        self._with_logprobs = request.logprobs is not None
+        self._with_logprobs = request.engine_logprobs() is not None
         self._prompts = request.prompts()
         self._choices = [
             _ChoiceState(index=index, with_logprobs=self._with_logprobs)
@@ -198,7 +200,7 @@ class CompletionService:
         self._triton = triton
         self._served_model_name = served_model_name
 
-    async def complete(self, request: CompletionRequest) -> CompletionResponse:
+    async def complete(self, request: GenerationRequest) -> CompletionResponse:
         """A whole (non-streamed) completion."""
         self._validate(request)
         assembler = CompletionAssembler(request)
@@ -207,7 +209,7 @@ class CompletionService:
                 assembler.add(prompt_index, chunk)
         return assembler.response()
 
-    async def stream(self, request: CompletionRequest) -> AsyncIterator[CompletionResponse]:
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[CompletionResponse]:
         """The chunks of a streamed completion; each choice gets exactly one chunk with a finish reason."""
         self._validate(request)
         assembler = CompletionAssembler(request)
@@ -221,7 +223,7 @@ class CompletionService:
         if options.include_usage:
             yield assembler.chunk([], assembler.usage())
 
-    def _validate(self, request: CompletionRequest) -> None:
+    def _validate(self, request: GenerationRequest) -> None:
         """Refuse what the schema accepts but this service cannot do (yet)."""
         if request.model != self._served_model_name:
             raise model_not_found(request.model)
@@ -237,7 +239,7 @@ class CompletionService:
                 "suffix",
             )
 
-    def _responses(self, request: CompletionRequest, completion_id: str) -> AsyncIterator[tuple[int, TritonChunk]]:
+    def _responses(self, request: GenerationRequest, completion_id: str) -> AsyncIterator[tuple[int, TritonChunk]]:
         """Responses of all the prompts' Triton requests, run concurrently, tagged with the prompt index."""
         parameters = sampling_parameters(request)
         return merge(
@@ -246,7 +248,7 @@ class CompletionService:
                     prompt,
                     parameters,
                     stream=request.stream,
-                    return_logprobs=request.logprobs is not None,
+                    return_logprobs=request.engine_logprobs() is not None,
                     request_id=f"{completion_id}-{prompt_index}",
                 )
                 for prompt_index, prompt in enumerate(request.prompts())

@@ -7,7 +7,7 @@ token-id prompts even when the client asked for no logprobs.
 
 from dataclasses import dataclass
 
-from openai_adapter.protocol import CompletionRequest
+from openai_adapter.protocol import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Echo:
     it); empty when the client asked for no logprobs."""
 
 
-def engine_prompt_logprobs(request: CompletionRequest) -> int | None:
+def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
     """The `prompt_logprobs` the engine must return for the request's echo; None when echo needs none."""
     if not request.echo:
         return None

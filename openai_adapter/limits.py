@@ -4,7 +4,7 @@
 from fastapi import Request
 
 from openai_adapter.errors import invalid_request, request_too_large
-from openai_adapter.protocol import CompletionRequest
+from openai_adapter.protocol import GenerationRequest
 from openai_adapter.settings import AdapterSettings
 
 
@@ -25,7 +25,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-def check_limits(request: CompletionRequest, settings: AdapterSettings) -> None:
+def check_limits(request: GenerationRequest, settings: AdapterSettings) -> None:
     """400 naming the first parameter beyond this server's limits (each None limit is off)."""
     limited = (
         ("prompt", len(request.prompts()), settings.max_prompts, "prompts in one request"),

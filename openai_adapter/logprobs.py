@@ -1,10 +1,10 @@
-"""OpenAI's legacy logprobs object, built from the engine's per-token entries.
+"""OpenAI's legacy logprobs object, built from the engine's per-token entries, and its chat-shaped twin.
 
 An engine entry is {"token": str, "token_id": int, "logprob": float, "top": {token text: logprob}}; the first
 token of an echoed prompt has null logprob and top (nothing predicts it).
 """
 
-from openai_adapter.protocol import CompletionLogprobs
+from openai_adapter.protocol import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 
 
 def completion_logprobs(entries: list[dict], start_offset: int) -> tuple[CompletionLogprobs, int]:
@@ -39,3 +39,21 @@ class LogprobsAccumulator:
         self.total.top_logprobs.extend(piece.top_logprobs)
         self.total.text_offset.extend(piece.text_offset)
         return piece
+
+
+def chat_logprobs(legacy: CompletionLogprobs) -> ChatLogprobs:
+    """The chat API's shape of generated tokens' logprobs (which, unlike an echoed prompt's, are never null)."""
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=token,
+                logprob=logprob,
+                bytes=list(token.encode()),
+                top_logprobs=[
+                    ChatTopLogprob(token=text, logprob=value, bytes=list(text.encode()))
+                    for text, value in (top or {}).items()
+                ],
+            )
+            for token, logprob, top in zip(legacy.tokens, legacy.token_logprobs, legacy.top_logprobs)
+        ]
+    )

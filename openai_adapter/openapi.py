@@ -1,14 +1,17 @@
 """The OpenAPI description of routes whose bodies FastAPI does not parse itself.
 
-/v1/completions reads its body by hand (so malformed bodies get OpenAI-format 400s), which would leave the
-request body out of the generated schema; here it is put back, with every response the route can give.
+/v1/completions and /v1/chat/completions read their bodies by hand (so malformed bodies get OpenAI-format 400s),
+which would leave the request body out of the generated schema; here it is put back, with every response the
+route can give.
 """
 
 from typing import Any
 
 from fastapi import FastAPI
 
-from openai_adapter.protocol import CompletionRequest, CompletionResponse, ErrorResponse
+from pydantic import BaseModel
+
+from openai_adapter.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 _COMPONENT_REF = "#/components/schemas/{model}"
 
@@ -27,9 +30,11 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
-def completion_route_docs(with_auth: bool) -> dict[str, Any]:
-    """Keyword arguments for the completions route decorator: its request body and responses."""
-    request_schema = CompletionRequest.model_json_schema(ref_template=_COMPONENT_REF)
+def generation_route_docs(
+    request_model: type[BaseModel], response_model: type[BaseModel], chunk_model: type[BaseModel], with_auth: bool
+) -> dict[str, Any]:
+    """Keyword arguments for a completions or chat route decorator: its request body and responses."""
+    request_schema = request_model.model_json_schema(ref_template=_COMPONENT_REF)
     request_schema.pop("$defs", None)  # nested models go into components (install_request_components)
     errors = (400, 401, 404, 413, 503, 504) if with_auth else (400, 404, 413, 503, 504)
     return {
@@ -38,9 +43,9 @@ def completion_route_docs(with_auth: bool) -> dict[str, Any]:
         },
         "responses": {
             200: {
-                "model": CompletionResponse,
+                "model": response_model,
                 "description": "The completion, or with `stream: true` its chunks as server-sent events "
-                "(`data: <CompletionResponse JSON>` each, then `data: [DONE]`)",
+                f"(`data: <{chunk_model.__name__} JSON>` each, then `data: [DONE]`)",
                 "content": {"text/event-stream": {"schema": {"type": "string"}}},
             },
             **error_responses(*errors),
@@ -49,8 +54,12 @@ def completion_route_docs(with_auth: bool) -> dict[str, Any]:
 
 
 def install_request_components(app: FastAPI) -> None:
-    """Add the request models' nested schemas, which `completion_route_docs` refers to, to the components."""
-    nested = CompletionRequest.model_json_schema(ref_template=_COMPONENT_REF).get("$defs", {})
+    """Add the request models' nested schemas, which `generation_route_docs` refers to, to the components."""
+    nested = {
+        name: schema
+        for model in (CompletionRequest, ChatCompletionRequest)
+        for name, schema in model.model_json_schema(ref_template=_COMPONENT_REF).get("$defs", {}).items()
+    }
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""Wire models of OpenAI's legacy completions API (plus the SGLang/vLLM extensions we accept)."""
+"""Wire models of OpenAI's completions and chat completions APIs (plus the SGLang/vLLM extensions we accept)."""
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -63,13 +63,12 @@ class NotEnabledParameters(BaseModel):
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 
-class CompletionRequest(NotYetSupportedParameters, NotEnabledParameters):
-    """Body of POST /v1/completions. Unknown fields are ignored (SDKs send extra_body fields as they are)."""
+class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters):
+    """What completion and chat requests share: the model, sampling, stops and streaming.
+
+    Unknown fields are ignored (SDKs send extra_body fields as they are)."""
 
     model: str
-    prompt: Prompt
-    suffix: str | None = None
-    """Only empty: the served model has no fill-in-the-middle support (checked by the service)."""
     max_tokens: int | None = Field(16, ge=0)
     """None: generate until a stop condition or the end of the context."""
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -97,8 +96,6 @@ class CompletionRequest(NotYetSupportedParameters, NotEnabledParameters):
     no_stop_trim: bool = False
     """SGLang extension: keep the matched stop string (or stop token's text) at the end of the text."""
     seed: int | None = None
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
@@ -121,21 +118,6 @@ class CompletionRequest(NotYetSupportedParameters, NotEnabledParameters):
     def _default_of(cls, name: str) -> Any:
         field = cls.model_fields.get(name)
         return None if field is None else field.default
-
-    @field_validator("prompt", mode="wrap")
-    @classmethod
-    def _check_prompt(cls, value: Any, handler: Any) -> Prompt:
-        # The union's own errors list every member type; one plain sentence is more useful.
-        try:
-            prompt = handler(value)
-        except ValidationError:
-            raise ValueError(
-                "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists "
-                "(token ids are integers from 0 to 2**31 - 1)"
-            ) from None
-        if prompt == [] or (isinstance(prompt, list) and any(item == [] for item in prompt)):
-            raise ValueError("prompt must not be empty")
-        return prompt
 
     @field_validator("logit_bias")
     @classmethod
@@ -171,16 +153,6 @@ class CompletionRequest(NotYetSupportedParameters, NotEnabledParameters):
                 raise ValueError(f"{pattern!r} is not a valid regular expression: {error}") from None
         return stop_regex
 
-    def prompts(self) -> list[str | list[int]]:
-        """The batch of prompts: each one becomes its own Triton request."""
-        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
-
-    def has_token_id_prompts(self) -> bool:
-        """Whether the prompts are token ids (a batch is all text or all token ids)."""
-        return isinstance(self.prompts()[0], list)
-
     def stop_strings(self) -> list[str]:
         return _as_list(self.stop)
 
@@ -203,6 +175,118 @@ class CompletionRequest(NotYetSupportedParameters, NotEnabledParameters):
         return None
 
 
+class CompletionRequest(SamplingRequest):
+    """Body of POST /v1/completions."""
+
+    prompt: Prompt
+    suffix: str | None = None
+    """Only empty: the served model has no fill-in-the-middle support (checked by the service)."""
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt(cls, value: Any, handler: Any) -> Prompt:
+        # The union's own errors list every member type; one plain sentence is more useful.
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists "
+                "(token ids are integers from 0 to 2**31 - 1)"
+            ) from None
+        if prompt == [] or (isinstance(prompt, list) and any(item == [] for item in prompt)):
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: each one becomes its own Triton request."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def has_token_id_prompts(self) -> bool:
+        """Whether the prompts are token ids (a batch is all text or all token ids)."""
+        return isinstance(self.prompts()[0], list)
+
+    def engine_logprobs(self) -> int | None:
+        """The engine's `logprobs` (top candidates per token); None: no logprobs."""
+        return self.logprobs
+
+
+ChatRole = Literal["system", "user", "assistant", "tool"]
+"""The roles the engine accepts in its `messages` input (backend/triton_io.py CHAT_ROLES)."""
+
+
+class ChatMessage(BaseModel):
+    role: ChatRole
+    content: str
+
+
+class NotYetSupportedChatParameters(BaseModel):
+    """Chat parameters the engine does not implement yet; refused unless neutral, like NotYetSupportedParameters."""
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
+    """Body of POST /v1/chat/completions. The engine renders the messages with the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=0)
+    """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are given."""
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Completion-only features, fixed off so the completion service can run chat requests unchanged.
+    echo: ClassVar[bool] = False
+    suffix: ClassVar[None] = None
+
+    @field_validator("messages", mode="wrap")
+    @classmethod
+    def _check_messages(cls, value: Any, handler: Any) -> list[ChatMessage]:
+        try:
+            messages = handler(value)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"])
+            raise ValueError(
+                f"messages{where}: {first['msg']} (messages must be a list of objects with a role in "
+                "system, user, assistant, tool and a string content)"
+            ) from None
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return messages
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return top_logprobs
+
+    @model_validator(mode="after")
+    def _fold_max_completion_tokens(self) -> "ChatCompletionRequest":
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def prompts(self) -> list[list[dict]]:
+        """One prompt: the conversation, which the engine renders."""
+        return [[message.model_dump() for message in self.messages]]
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported_parameter(self) -> str | None:
+        return super().unsupported_parameter() or self._first_non_neutral(NotYetSupportedChatParameters)
+
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+"""What the completion service runs."""
+
+
 def _as_list(value: str | list[str] | None) -> list[str]:
     """One string, a list of strings or None, as a list."""
     if value is None:
@@ -210,7 +294,7 @@ def _as_list(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else value
 
 
-def parse_completion_request(body: bytes) -> CompletionRequest:
+def parse_request(body: bytes, model: type[GenerationRequest]) -> GenerationRequest:
     """Parse and validate a raw request body; every failure is a 400 naming the offending parameter."""
     try:
         data = json.loads(body)
@@ -219,7 +303,7 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.")
     try:
-        return CompletionRequest.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as error:
         raise from_validation_error(error) from None
 
@@ -265,14 +349,12 @@ class SglExt(BaseModel):
     cached_tokens_details: CachedTokensDetails
 
 
-class CompletionResponse(BaseModel):
-    """A whole completion, or one streamed chunk of it (same object type, as in OpenAI's API)."""
+class _ResponseBase(BaseModel):
+    """Fields every completion and chat response or chunk has."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
     sglext: SglExt | None = None
 
@@ -282,6 +364,73 @@ class CompletionResponse(BaseModel):
         if data.get("sglext") is None:
             data.pop("sglext", None)
         return data
+
+
+class CompletionResponse(_ResponseBase):
+    """A whole completion, or one streamed chunk of it (same object type, as in OpenAI's API)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    """The token's UTF-8 bytes (a token's text may hold only part of a character)."""
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    """SGLang extension, as in CompletionChoice."""
+
+
+class ChatCompletionResponse(_ResponseBase):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatCompletionChoice]
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    """Only in a choice's first chunk."""
+    content: str
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_role(self, handler) -> dict:
+        data = handler(self)
+        if data.get("role") is None:
+            data.pop("role", None)
+        return data
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+
+
+class ChatCompletionChunk(_ResponseBase):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
 
 
 class ModelCard(BaseModel):

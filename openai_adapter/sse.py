@@ -1,4 +1,4 @@
-"""Server-sent events framing of a streamed completion."""
+"""Server-sent events framing of a streamed completion or chat completion."""
 
 import json
 import logging
@@ -6,18 +6,20 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 from openai_adapter.errors import AdapterError, internal_error, log_server_error
-from openai_adapter.protocol import CompletionResponse
+from openai_adapter.protocol import ChatCompletionChunk, CompletionResponse
 
 logger = logging.getLogger(__name__)
 
 DONE_EVENT = "data: [DONE]\n\n"
+
+Chunk = CompletionResponse | ChatCompletionChunk
 
 
 def data_event(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-def chunk_event(chunk: CompletionResponse) -> str:
+def chunk_event(chunk: Chunk) -> str:
     # Like OpenAI, chunks that carry no usage leave the field out.
     return data_event(chunk.model_dump_json(exclude={"usage"} if chunk.usage is None else None))
 
@@ -27,7 +29,7 @@ def error_event(error: AdapterError) -> str:
 
 
 async def completion_events(
-    first: CompletionResponse, rest: AsyncGenerator[CompletionResponse, None]
+    first: Chunk, rest: AsyncGenerator[Chunk, None]
 ) -> AsyncIterator[str]:
     """Events of a stream whose first chunk is already known; a later failure becomes an error event.
 

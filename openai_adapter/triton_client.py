@@ -105,7 +105,7 @@ class TritonClient:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | list[dict],
         sampling_parameters: dict,
         *,
         stream: bool,
@@ -150,10 +150,12 @@ class TritonClient:
 
 
 def _request_inputs(
-    prompt: str | list[int], sampling_parameters: dict, stream: bool, return_logprobs: bool
+    prompt: str | list[int] | list[dict], sampling_parameters: dict, stream: bool, return_logprobs: bool
 ) -> list[InferInput]:
     if isinstance(prompt, str):
         inputs = [_tensor("text_input", _bytes_array(prompt), "BYTES")]
+    elif isinstance(prompt[0], dict):  # chat messages: the engine applies the model's chat template
+        inputs = [_tensor("messages", _bytes_array(json.dumps(prompt)), "BYTES")]
     else:
         inputs = [_tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32")]
     inputs.append(_tensor("stream", np.array([stream]), "BOOL"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,12 +17,10 @@ from pathlib import Path
 import pytest
 
 from backend.model_files import prepare_default_model, served_model_name
+from stack_helpers import REPO_ROOT, STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, free_ports
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 STACK_START_TIMEOUT_S = 180
 STACK_KV_CACHE_MEMORY = "128MiB"  # ~2,900 tokens of SmolLM2-135M KV in float32: keeps the test stack light
-STACK_MAX_NUM_SEQS = 8  # small limits so the overload test reaches them with few clients
-STACK_MAX_QUEUE_LEN = 8
 
 
 @dataclass(frozen=True)
@@ -34,18 +31,6 @@ class Stack:
     metrics_url: str  # Prometheus endpoint: http://127.0.0.1:PORT/metrics
     model_name: str  # the served model name for the `model` field
     state_dir: Path  # runtime repository, tritonserver.log and serve.log
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct ports free right now (all sockets held until each is picked, so no duplicates)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _tail(path: Path, lines: int = 60) -> str:

@@ -1,11 +1,30 @@
-"""Reading the running stack's engine state from tritonserver's metrics endpoint."""
+"""Shared by the tests (a module, not conftest.py: tests/kernels has a conftest of its own, so `conftest` is
+ambiguous as a module name): ports, the test stack's limits, and its engine state read from the metrics."""
 
 from __future__ import annotations
 
 import re
+import socket
 import time
+from pathlib import Path
 
 import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STACK_MAX_NUM_SEQS = 8  # small limits so the overload test reaches them with few clients
+STACK_MAX_QUEUE_LEN = 8
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct ports free right now (all sockets held until each is picked, so no duplicates)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def metric(stack, name: str) -> float:

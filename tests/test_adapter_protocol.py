@@ -7,7 +7,7 @@ down, which must be a quick 503.
 import time
 
 import pytest
-from conftest import free_ports
+from stack_helpers import free_ports
 from fastapi.testclient import TestClient
 
 from openai_adapter import AdapterSettings, create_app

@@ -4,7 +4,7 @@ As in test_adapter_protocol.py, Triton is down: a request that passes every chec
 """
 
 import pytest
-from conftest import free_ports
+from stack_helpers import free_ports
 from fastapi.testclient import TestClient
 
 from openai_adapter import AdapterSettings, create_app

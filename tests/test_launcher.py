@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend import cli, launcher, model_files
-from conftest import free_ports
+from stack_helpers import free_ports
 
 # --- config.pbtxt parameters ---------------------------------------------------------------------------------
 

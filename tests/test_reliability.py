@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO_ROOT, free_ports
+from stack_helpers import REPO_ROOT, free_ports
 
 from backend import launcher
 from backend.model_files import served_model_name

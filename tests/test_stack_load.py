@@ -11,8 +11,7 @@ import time
 import httpx
 import openai
 
-from conftest import STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN
-from stack_helpers import wait_until_idle
+from stack_helpers import STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, wait_until_idle
 
 SHARED_PREFIX = " ".join(f"Rule {i}: answer politely and cite the rule number." for i in range(22))
 
@@ -73,19 +72,19 @@ def test_over_the_queue_limit_requests_get_503_at_once_and_earlier_ones_finish(s
     wait_until_idle(stack)
 
 
-def test_fifty_dropped_streams_leave_no_blocks_behind(stack):
+def test_two_hundred_dropped_streams_leave_no_blocks_behind(stack):
     rng = random.Random(7)
 
     async def drops():
         async with httpx.AsyncClient(timeout=120) as client:
             outcomes = []
-            for _ in range(50 // STACK_MAX_QUEUE_LEN + 1):
+            for _ in range(200 // STACK_MAX_QUEUE_LEN):
                 wave = [_stream(client, stack, 200, drop_after=rng.randint(1, 6)) for _ in range(STACK_MAX_QUEUE_LEN)]
                 outcomes += await asyncio.gather(*wave)
             return outcomes
 
     outcomes = asyncio.run(drops())
-    assert sum(1 for status, *_ in outcomes if status == 200) >= 50
+    assert sum(1 for status, *_ in outcomes if status == 200) >= 190  # a rare 503 when a wave outruns aborts
     wait_until_idle(stack)
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
     after = client.completions.create(model=stack.model_name, prompt="The capital of France is", max_tokens=4,

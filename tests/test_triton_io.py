@@ -1,6 +1,7 @@
 """The Triton tensor interface as pure functions: parsing inputs, building streaming and final responses."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -66,3 +67,24 @@ def test_non_streaming_response_is_whole_and_best_of_keeps_the_most_likely():
                                                   delta(2, "c", "stop", -3.0)], 1, 0, True))
     assert final["text_output"].tolist() == [b"Helloxb", b"Helloxc"]  # prompt included, best first
     assert final["cumulative_logprob"].tolist() == [-1.0, -3.0]
+
+
+def _messages_input(value) -> np.ndarray:
+    return np.array([json.dumps(value).encode()], dtype=np.object_)
+
+
+def test_parse_messages_keeps_role_and_content_only():
+    parsed = parse_request({"messages": _messages_input([{"role": "user", "content": "hi", "name": "x"}])})
+    assert parsed.prompt == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"messages": np.array([b"not json"], dtype=np.object_)}, "not valid JSON"),
+    ({"messages": _messages_input([])}, "non-empty JSON list"),
+    ({"messages": _messages_input([{"role": "wizard", "content": "a"}])}, "messages[0]"),
+    ({"messages": _messages_input([{"role": "user", "content": None}])}, "string content"),
+    ({**inputs(), "messages": _messages_input([{"role": "user", "content": "a"}])}, "exactly one of"),
+])
+def test_parse_refuses_bad_messages(values, message):
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        parse_request(values)

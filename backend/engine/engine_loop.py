@@ -36,7 +36,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="tritonllm-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def submit(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
                on_output: Callable[[RequestOutput], None]) -> None:
         """Queue a request; outputs (or an error output) arrive through on_output on the engine thread.
 

@@ -99,8 +99,12 @@ class LLMEngine:
             if bad:
                 raise InvalidRequest(f"{name} has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
+    def _tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """Token ids of a text, token-id or chat-messages prompt."""
+        if prompt and isinstance(prompt[0], dict):
+            # The rendered template carries its own special tokens (BOS included where the model has one).
+            token_ids = self.tokenizer.encode(self._render_chat(prompt), add_special_tokens=False)
+        elif isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
@@ -110,6 +114,16 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequest("the prompt is empty")
         return token_ids
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        """The model's own chat template applied to the messages, ready for the assistant's answer."""
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest(f"the model {self.model_dir.name} has no chat template: send text_input or "
+                                 "input_ids instead of messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as error:  # templates may raise on their own, e.g. on an unexpected role order
+            raise InvalidRequest(f"the chat template rejected the messages: {error}") from None
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)

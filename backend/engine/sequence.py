@@ -102,7 +102,7 @@ class RequestOutput:
 @dataclass
 class Request:
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict]  # text, token ids or chat messages (see LLMEngine._tokenize)
     params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)
     sequences: list[Sequence] = field(default_factory=list)

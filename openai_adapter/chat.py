@@ -1,0 +1,76 @@
+"""Chat completions: the completion service runs the conversation (the engine applies the chat template), and
+its responses and chunks are reshaped into OpenAI's chat objects here."""
+
+from collections.abc import AsyncIterator
+
+from openai_adapter.completions import CompletionService
+from openai_adapter.logprobs import chat_logprobs
+from openai_adapter.protocol import (
+    AssistantMessage,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionResponse,
+)
+
+
+def _chat_id(completion_id: str) -> str:
+    # "cmpl-…" becomes OpenAI's "chatcmpl-…": the same request, recognisable in Triton's request ids.
+    return "chat" + completion_id
+
+
+class ChatService:
+    """Runs chat completion requests through the completion service."""
+
+    def __init__(self, completions: CompletionService) -> None:
+        self._completions = completions
+
+    async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+        completion = await self._completions.complete(request)
+        return ChatCompletionResponse(
+            id=_chat_id(completion.id),
+            created=completion.created,
+            model=completion.model,
+            choices=[
+                ChatCompletionChoice(
+                    index=choice.index,
+                    message=AssistantMessage(content=choice.text),
+                    logprobs=chat_logprobs(choice.logprobs) if choice.logprobs else None,
+                    finish_reason=choice.finish_reason,
+                    matched_stop=choice.matched_stop,
+                )
+                for choice in completion.choices
+            ],
+            usage=completion.usage,
+            sglext=completion.sglext,
+        )
+
+    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
+        """Chat chunks; each choice's first one carries the assistant role, and one its finish reason."""
+        started: set[int] = set()
+        async for chunk in self._completions.stream(request):
+            yield _chat_chunk(chunk, started)
+
+
+def _chat_chunk(chunk: CompletionResponse, started: set[int]) -> ChatCompletionChunk:
+    """One completion chunk as a chat chunk; `started` holds the choices that have had their first chunk."""
+    choices = []
+    for choice in chunk.choices:
+        first = choice.index not in started
+        started.add(choice.index)
+        choices.append(
+            ChatChunkChoice(
+                index=choice.index,
+                delta=ChatDelta(role="assistant" if first else None, content=choice.text),
+                logprobs=chat_logprobs(choice.logprobs) if choice.logprobs else None,
+                finish_reason=choice.finish_reason,
+                matched_stop=choice.matched_stop,
+            )
+        )
+    return ChatCompletionChunk(
+        id=_chat_id(chunk.id), created=chunk.created, model=chunk.model, choices=choices, usage=chunk.usage,
+        sglext=chunk.sglext,
+    )
