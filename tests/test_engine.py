@@ -3,11 +3,14 @@ preemption, admission errors. Greedy references come from transformers' generate
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend.config import EngineConfig
+from backend.engine.engine_loop import EngineLoop
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Request
@@ -260,4 +263,15 @@ def test_a_request_failing_in_its_own_processing_fails_alone(engine, monkeypatch
     [error] = [o for o in outputs if o.error is not None]
     assert error.request_id == "sick" and error.finished and "exploded" in str(error.error)
     assert requests[0].sequences[0].output_token_ids == expected.token_ids()
+    assert_idle(engine)
+
+
+def test_engine_loop_shutdown_aborts_what_does_not_finish_in_time(engine):
+    outputs = []
+    loop = EngineLoop(engine.config, engine=engine)
+    loop.submit("long", "Tell me a story.", SamplingParams(max_tokens=500, ignore_eos=True), outputs.append)
+    while not outputs:
+        time.sleep(0.01)
+    loop.shutdown(timeout=0.2)
+    assert outputs[-1].finished and outputs[-1].choices[-1].finish_reason == "abort"
     assert_idle(engine)

@@ -1,5 +1,5 @@
 """Reliability against real processes: schemathesis fuzzing of the live stack, and the adapter riding out a
-tritonserver restart."""
+tritonserver crash and restart (the engine's process must not outlive the server)."""
 
 from __future__ import annotations
 
@@ -81,12 +81,30 @@ def triton_and_adapter(default_model_dir: Path, tmp_path: Path) -> Iterator[tupl
         server.stop()
 
 
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # a process that just ended
+            continue
+    return children
+
+
 def test_adapter_fails_fast_while_triton_is_down_and_recovers_without_restart(triton_and_adapter):
     server, root_url, model = triton_and_adapter
     _wait_for_status(f"{root_url}/health", 200, timeout=30)
     assert _completion(f"{root_url}/v1", model).status_code == 200
 
-    server.stop()
+    stubs = _children(server.process.pid)  # the Python backend stub running our engine
+    assert stubs
+    server.process.kill()  # tritonserver dies hard; its stub must not outlive it
+    server.process.wait()
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in stubs):
+        assert time.monotonic() < deadline, "the backend stub outlived tritonserver"
+        time.sleep(0.1)
     assert _wait_for_status(f"{root_url}/health", 503, timeout=5) < 5
     started = time.monotonic()
     response = _completion(f"{root_url}/v1", model, timeout=10)

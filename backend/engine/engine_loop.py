@@ -26,7 +26,8 @@ class EngineLoop:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config)
         self.max_queue_len = config.max_queue_len
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Request) | ("abort", request_id)
+        # ("add", Request) | ("abort", request_id) | ("abort_all", None)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._num_queued = 0  # submitted, not yet handed to the engine
         self._num_waiting = 0  # in the engine, waiting for admission; written by the engine thread only
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
@@ -57,17 +58,25 @@ class EngineLoop:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Finish in-flight requests (bounded by timeout), then stop the thread."""
-        deadline = time.monotonic() + timeout
-        while self._num_queued or self.engine.has_work():
-            if time.monotonic() > deadline:
-                log.warning("shutting down with requests still in flight")
-                break
-            time.sleep(0.05)
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Let in-flight requests finish for up to `timeout` seconds, abort the rest (their clients get a final
+        response), then stop the thread."""
+        if not self._wait_idle(timeout):
+            log.warning("shutting down: aborting the requests still in flight")
+            self._inbox.put(("abort_all", None))
+            self._wakeup.set()
+            self._wait_idle(2.0)
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=5.0)
+
+    def _wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._num_queued or self.engine.has_work():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _drain_inbox(self) -> None:
         while True:
@@ -76,8 +85,9 @@ class EngineLoop:
             except queue.Empty:
                 self._num_waiting = self.engine.scheduler.num_waiting_requests()
                 return
-            if kind == "abort":
-                self.engine.abort_request(item)
+            if kind in ("abort", "abort_all"):
+                for request_id in [item] if kind == "abort" else list(self.engine.requests):
+                    self.engine.abort_request(request_id)
                 continue
             with self._lock:
                 self._num_queued -= 1

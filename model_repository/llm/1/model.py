@@ -3,6 +3,7 @@ thread turns engine outputs into responses. All logic lives in backend/ (importa
 
 import json
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -29,6 +30,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("the llm model must use the decoupled transaction policy")
         parameters = {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
         self.engine = EngineLoop(EngineConfig.from_strings(parameters))
+        self.server_pid = os.getppid()
         self.metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         self.in_flight = {}  # request id → (response_sender, ResponseBuilder, LatencyTracker)
         self.lock = threading.Lock()
@@ -116,6 +118,9 @@ class TritonPythonModel:
     def _poll(self):
         """Requests that wait for admission produce no outputs, so their cancellation is polled; metrics too."""
         while not self.stopping.wait(_POLL_INTERVAL_S):
+            if os.getppid() != self.server_pid:  # tritonserver was killed: never outlive it
+                log.error("tritonserver (pid %d) is gone; exiting", self.server_pid)
+                os._exit(1)
             with self.lock:
                 entries = list(self.in_flight.items())
             for request_id, (sender, _, _) in entries:
@@ -123,7 +128,7 @@ class TritonPythonModel:
             self.metrics.update(self.engine.stats())
 
     def finalize(self):
-        log.info("finalizing: waiting for requests in flight")
+        log.info("finalizing: finishing or aborting the requests in flight")
         self.engine.shutdown()
         self.stopping.set()
         self.outbox.put(None)
