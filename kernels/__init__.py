@@ -18,7 +18,8 @@ from kernels.prefill_attention import prefill_attention_reference, prefill_atten
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
 from kernels.sampling import (apply_logit_bias_reference, apply_logit_bias_triton, apply_penalties_reference,
-                              apply_penalties_triton, apply_token_bitmask_reference, apply_token_bitmask_triton)
+                              apply_penalties_triton, apply_token_bitmask_reference, apply_token_bitmask_triton,
+                              filter_probs_reference, filter_probs_triton)
 
 
 def _dispatch(kernel: Callable, reference: Callable) -> Callable:
@@ -42,6 +43,7 @@ prefill_attention = _dispatch(prefill_attention_triton, prefill_attention_refere
 apply_penalties = _dispatch(apply_penalties_triton, apply_penalties_reference)
 apply_logit_bias = _dispatch(apply_logit_bias_triton, apply_logit_bias_reference)
 apply_token_bitmask = _dispatch(apply_token_bitmask_triton, apply_token_bitmask_reference)
+filter_probs = _dispatch(filter_probs_triton, filter_probs_reference)
 
 __all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
-           "prefill_attention", "apply_penalties", "apply_logit_bias", "apply_token_bitmask"]
+           "prefill_attention", "apply_penalties", "apply_logit_bias", "apply_token_bitmask", "filter_probs"]

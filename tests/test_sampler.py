@@ -2,7 +2,8 @@
 
 import torch
 
-from backend.engine.sampler import filtered_candidates, sample_from
+from backend.engine.sampler import sample_from
+from kernels import filter_probs
 
 
 def test_filters_keep_what_each_rule_allows():
@@ -10,8 +11,8 @@ def test_filters_keep_what_each_rule_allows():
     top_k = torch.tensor([2, 0, 0, 1])
     top_p = torch.tensor([1.0, 0.75, 1.0, 1.0])
     min_p = torch.tensor([0.0, 0.0, 0.3, 0.0])
-    kept, ids = filtered_candidates(probs, top_k, top_p, min_p)
-    kept_sets = [set(ids[r][kept[r] > 0].tolist()) for r in range(4)]
+    kept = filter_probs(probs, top_k, top_p, min_p)
+    kept_sets = [set(kept[r].nonzero().flatten().tolist()) for r in range(4)]
     assert kept_sets[0] == {1, 3}  # top_k=2
     assert kept_sets[1] == {1, 3, 4}  # 0.4 + 0.3 < 0.75 needs a third token
     assert kept_sets[2] == {1, 3, 4}  # min_p: at least 0.3 * 0.4 = 0.12
@@ -20,9 +21,17 @@ def test_filters_keep_what_each_rule_allows():
 
 def test_nucleus_wider_than_the_candidate_window_is_exact():
     vocab = 1000
-    probs = torch.full((1, vocab), 1.0 / vocab)  # flat: top_p=0.9 needs 900 tokens, more than 256 candidates
-    kept, ids = filtered_candidates(probs, torch.tensor([0]), torch.tensor([0.9]), torch.tensor([0.0]))
-    assert int((kept > 0).sum()) == 900
+    weights = 1 + 1e-3 * torch.arange(vocab).flip(0).float()  # nearly flat, no ties: top_p=0.9 needs ~900 tokens
+    probs = (weights / weights.sum()).unsqueeze(0)
+    kept = filter_probs(probs, torch.tensor([0]), torch.tensor([0.9]), torch.tensor([0.0]))
+    expected = int((probs[0].cumsum(dim=0) < 0.9).sum()) + 1  # the shortest prefix reaching 0.9
+    assert expected > 256 and torch.equal(kept[0] > 0, torch.arange(vocab) < expected)
+
+
+def test_ties_at_the_threshold_are_all_kept():
+    probs = torch.full((1, 1000), 1.0 / 1000)  # flat: every token is tied with the k-th / nucleus threshold
+    kept = filter_probs(probs.repeat(2, 1), torch.tensor([5, 0]), torch.tensor([1.0, 0.9]), torch.tensor([0.0, 0.0]))
+    assert torch.equal(kept, probs.repeat(2, 1))
 
 
 def test_inverse_cdf_draws_follow_the_distribution():

@@ -1,9 +1,9 @@
 """Chooses the next token of each sequence from its logits.
 
 Logits are first adjusted (min_tokens bans, logit_bias, repetition/frequency/presence penalties), then the
-token is greedy or drawn with temperature / top-k / top-p / min-p, each sequence from its own generator so a
-seeded request is reproducible whatever else runs beside it. Logprobs are those of the model's raw
-distribution (before any adjustment, temperature or filtering), as in vLLM and SGLang."""
+token is greedy or drawn with temperature / top-k / top-p / min-p (kernels.filter_probs), each sequence from
+its own generator so a seeded request is reproducible whatever else runs beside it. Logprobs are those of the
+model's raw distribution (before any adjustment, temperature or filtering), as in vLLM and SGLang."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.sequence import Sequence
-from kernels import apply_logit_bias, apply_penalties
+from kernels import apply_logit_bias, apply_penalties, filter_probs
 
 
 @dataclass
@@ -20,30 +20,6 @@ class SampledToken:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the requested number of most likely tokens
-
-
-_CANDIDATES = 256  # filtered rows sample among their most likely tokens; wider only when the nucleus needs it
-
-
-def filtered_candidates(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row top-k (<= 0: off), top-p and min-p filtering of probabilities [rows, vocab].
-
-    Returns (kept probabilities, token ids), both [rows, candidates], most likely first; removed entries are 0.
-    Only the top candidates are sorted; a row whose nucleus reaches past them is sorted in full."""
-    vocab = probs.shape[-1]
-    width = min(vocab, max(_CANDIDATES, int(top_k.max())))
-    values, ids = probs.topk(width, dim=-1)
-    if width < vocab:
-        needs_more = (top_k <= 0) | (top_k > width)
-        needs_more &= values.sum(dim=-1) < top_p
-        if bool(needs_more.any()):
-            values, ids = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(values.shape[-1], device=probs.device).unsqueeze(0)
-    remove = ranks >= torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-    remove |= values.cumsum(dim=-1) - values >= top_p.unsqueeze(1)  # always keeps the most likely token
-    remove |= values < min_p.unsqueeze(1) * values[:, :1]
-    return values.masked_fill(remove, 0.0), ids
 
 
 def score(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[SampledToken]:
@@ -81,15 +57,13 @@ class Sampler:
             uniforms = torch.cat([torch.rand(1, generator=seqs[i].generator, device=logits.device)
                                   for i in random_rows])
             if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                kept, ids = filtered_candidates(
+                probs = filter_probs(
                     probs,
                     torch.tensor([p.top_k for p in params], device=logits.device),
                     torch.tensor([p.top_p for p in params], device=logits.device),
                     torch.tensor([p.min_p for p in params], device=logits.device),
                 )
-                chosen[rows] = ids.gather(1, sample_from(kept, uniforms).unsqueeze(1)).squeeze(1)
-            else:
-                chosen[rows] = sample_from(probs, uniforms)
+            chosen[rows] = sample_from(probs, uniforms)
 
         return score(logprobs, chosen, [seq.params.logprobs or 0 for seq in seqs])
 
