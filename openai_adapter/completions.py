@@ -14,6 +14,7 @@ from contextlib import aclosing
 from openai_adapter.concurrency import merge
 from openai_adapter.echo import Echo, echo_from_prompt_logprobs, engine_prompt_logprobs
 from openai_adapter.errors import (
+    AdapterError,
     internal_error,
     invalid_request,
     model_not_found,
@@ -64,6 +65,9 @@ def sampling_parameters(request: GenerationRequest) -> dict:
         "prompt_logprobs": (engine_prompt_logprobs(request), None),
     }
     parameters.update({name: value for name, (value, neutral) in optional.items() if value != neutral})
+    constraint = request.constraint()
+    if constraint is not None:
+        parameters[constraint.engine_field] = constraint.text
     return parameters
 
 
@@ -233,16 +237,20 @@ class CompletionService:
         disabled = request.disabled_parameter()
         if disabled is not None:
             raise parameter_not_enabled(disabled)
+        request.constraint()  # more than one → 400
         if request.suffix:
             raise invalid_request(
                 f"suffix is not supported: the model '{self._served_model_name}' has no fill-in-the-middle support.",
                 "suffix",
             )
 
-    def _responses(self, request: GenerationRequest, completion_id: str) -> AsyncIterator[tuple[int, TritonChunk]]:
+    async def _responses(
+        self, request: GenerationRequest, completion_id: str
+    ) -> AsyncIterator[tuple[int, TritonChunk]]:
         """Responses of all the prompts' Triton requests, run concurrently, tagged with the prompt index."""
         parameters = sampling_parameters(request)
-        return merge(
+        constraint = request.constraint()
+        responses = merge(
             [
                 self._triton.generate(
                     prompt,
@@ -254,3 +262,12 @@ class CompletionService:
                 for prompt_index, prompt in enumerate(request.prompts())
             ]
         )
+        try:
+            async with aclosing(responses):
+                async for item in responses:
+                    yield item
+        except AdapterError as error:
+            # The engine names its own field (an invalid grammar): the client should see the one it sent.
+            if constraint is not None and error.param == constraint.engine_field:
+                error.param = constraint.param
+            raise

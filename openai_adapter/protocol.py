@@ -2,6 +2,7 @@
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -37,14 +38,6 @@ class NotYetSupportedParameters(BaseModel):
 
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
-    response_format: dict[str, Any] | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -63,7 +56,95 @@ class NotEnabledParameters(BaseModel):
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 
-class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters):
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema` of OpenAI's API."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    """Accepted for compatibility: the schema is always enforced."""
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with a schema")
+        return self
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's output constraint: the parameter that set it, and what the engine gets."""
+
+    param: str
+    engine_field: str
+    """The engine's sampling parameter: json_schema, regex or ebnf (a Lark or GBNF grammar)."""
+    text: str
+
+
+class StructuredOutputParameters(BaseModel):
+    """Ways to constrain the output; a request may use one of them. OpenAI's `response_format`, SGLang's
+    `json_schema` (a JSON string), `regex` and `ebnf`, and vLLM's `guided_*` names."""
+
+    response_format: ResponseFormat | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+
+    @field_validator("json_schema", "guided_json")
+    @classmethod
+    def _check_json_schema(cls, schema: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(schema, str):
+            try:
+                parsed = json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"not valid JSON: {error}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("a JSON schema must be a JSON object")
+        return schema
+
+    def constraint(self) -> Constraint | None:
+        """The request's constraint; a 400 when it sets more than one."""
+        found = self._constraints()
+        if len(found) > 1:
+            names = ", ".join(constraint.param for constraint in found)
+            raise invalid_request(f"Only one of response_format, json_schema, regex, ebnf and guided_* may constrain "
+                                  f"the output; this request sets {names}.", found[1].param)
+        return found[0] if found else None
+
+    def _constraints(self) -> list[Constraint]:
+        found: list[Constraint] = []
+
+        def add(param: str, engine_field: str, text: str | dict[str, Any] | None) -> None:
+            if text is not None:
+                found.append(Constraint(param, engine_field, text if isinstance(text, str) else json.dumps(text)))
+
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            add("response_format", "json_schema", {"type": "object"})
+        if response_format is not None and response_format.type == "json_schema":
+            add("response_format", "json_schema", response_format.json_schema.schema_)
+        add("json_schema", "json_schema", self.json_schema)
+        add("regex", "regex", self.regex)
+        add("ebnf", "ebnf", self.ebnf)
+        add("guided_json", "json_schema", self.guided_json)
+        add("guided_regex", "regex", self.guided_regex)
+        if self.guided_choice is not None:  # a Lark grammar of quoted alternatives (JSON strings are Lark strings)
+            add("guided_choice", "ebnf", "start: " + " | ".join(map(json.dumps, self.guided_choice)))
+        add("guided_grammar", "ebnf", self.guided_grammar)
+        return found
+
+
+class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters, StructuredOutputParameters):
     """What completion and chat requests share: the model, sampling, stops and streaming.
 
     Unknown fields are ignored (SDKs send extra_body fields as they are)."""

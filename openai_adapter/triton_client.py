@@ -47,7 +47,7 @@ _ALWAYS_RETURNED = (
 
 # The backend tags the errors it raises on purpose (gRPC stream errors carry no status code);
 # see _error_from_message.
-_ERROR_TAG = re.compile(r"\[(invalid_request|overloaded|cancelled|internal)\]\s*")
+_ERROR_TAG = re.compile(r"\[(invalid_request|overloaded|cancelled|internal)(?::(\w+))?\]\s*")
 # Triton's own answer while the model is missing or still loading.
 _MODEL_NOT_AVAILABLE = re.compile(r"unknown model", re.IGNORECASE)
 
@@ -217,9 +217,9 @@ def _error_from_message(message: str) -> AdapterError:
         if _MODEL_NOT_AVAILABLE.search(message):
             return service_unavailable(f"The model is not available in Triton: {message}")
         return internal_error(f"Triton error: {message}")
-    kind, detail = tag.group(1), message[tag.end() :]
+    kind, param, detail = tag.group(1), tag.group(2), message[tag.end() :]
     if kind == "invalid_request":
-        return invalid_request(detail)
+        return invalid_request(detail, param)
     if kind == "internal":
         return internal_error(detail)
     # Overloaded, or cancelled by the server (e.g. shutting down): both are worth a retry.

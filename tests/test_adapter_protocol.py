@@ -125,10 +125,6 @@ def test_best_of_below_n_or_streamed_above_n_is_400(client, fields):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("response_format", {"type": "json_object"}),
-        ("json_schema", "{}"),
-        ("regex", "[0-9]+"),
-        ("ebnf", "root ::= 'a'"),
         ("prompt_logprobs", 1),
         ("include_stop_str_in_output", True),
     ],
@@ -137,6 +133,41 @@ def test_not_yet_supported_parameter_is_400(client, field, value):
     error = _error(_complete(client, **{field: value}), 400)
     assert error["param"] == field
     assert "not supported" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"regex": "[0-9]+", "ebnf": "start: \"a\""}, "ebnf"),
+        ({"response_format": {"type": "json_object"}, "json_schema": "{}"}, "json_schema"),
+        ({"guided_choice": ["a", "b"], "regex": "a|b"}, "guided_choice"),
+    ],
+)
+def test_two_constraints_at_once_are_400(client, fields, param):
+    error = _error(_complete(client, **fields), 400)
+    assert error["param"] == param
+    assert "Only one of" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": "[1, 2]"}, "json_schema"),
+        ({"guided_choice": []}, "guided_choice"),
+    ],
+)
+def test_malformed_constraint_is_400(client, fields, param):
+    assert _error(_complete(client, **fields), 400)["param"] == param
+
+
+def test_text_response_format_is_no_constraint(client):
+    """{"type": "text"} constrains nothing, so it may go with a regex; the request then reaches Triton (down)."""
+    response = _complete(client, response_format={"type": "text"}, regex="[a-z]+")
+    assert _error(response, 503)
 
 
 @pytest.mark.parametrize(

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
-import tritonclient.grpc as grpcclient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stack_helpers import metric, wait_until_idle
+from stack_helpers import grpc_generate, metric, wait_until_idle
 
 PROMPT = "The capital of France is"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -130,41 +127,6 @@ def test_malformed_json_and_context_overflow(stack, client):
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model=stack.model_name, prompt="hi", max_tokens=100000)
-
-
-def _grpc_inputs(prompt: str, params: dict | str, stream: bool) -> list:
-    def tensor(name, array, dtype):
-        t = grpcclient.InferInput(name, list(array.shape), dtype)
-        t.set_data_from_numpy(array)
-        return t
-    raw = params if isinstance(params, str) else json.dumps(params)
-    inputs = [tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-              tensor("stream", np.array([stream]), "BOOL"),
-              tensor("sampling_parameters", np.array([raw.encode()], dtype=np.object_), "BYTES")]
-    for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
-        inputs.append(tensor(flag, np.array([True]), "BOOL"))
-    return inputs
-
-
-def grpc_generate(stack, prompt: str, params: dict | str, stream: bool) -> tuple[list, Exception | None]:
-    """One request on its own gRPC stream: (responses carrying outputs, error or None)."""
-    client = grpcclient.InferenceServerClient(stack.grpc_url)
-    events: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer("llm", _grpc_inputs(prompt, params, stream), enable_empty_final_response=True)
-    responses, error = [], None
-    try:
-        while True:
-            result, error = events.get(timeout=120)
-            if error is not None:
-                return responses, error
-            if result.as_numpy("text_output") is not None:
-                responses.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return responses, None
-    finally:
-        client.stop_stream()
-        client.close()
 
 
 def test_tritonclient_streaming_and_non_streaming(stack, client):

@@ -33,6 +33,7 @@ class EngineLoop:
         self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        self.engine.on_grammar_ready = self._wakeup.set
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tritonllm-engine", daemon=True)
         self._thread.start()
@@ -69,10 +70,11 @@ class EngineLoop:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=5.0)
+        self.engine.grammars.shutdown()
 
     def _wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while self._num_queued or self.engine.has_work():
+        while self._num_queued or self.engine.has_unfinished_requests():
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
@@ -83,7 +85,7 @@ class EngineLoop:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
-                self._num_waiting = self.engine.scheduler.num_waiting_requests()
+                self._num_waiting = self.engine.num_waiting_requests()
                 return
             if kind in ("abort", "abort_all"):
                 for request_id in [item] if kind == "abort" else list(self.engine.requests):
@@ -112,7 +114,7 @@ class EngineLoop:
             except Exception as exc:  # a failed step must not kill the loop: fail what was in flight
                 log.exception("engine step failed; failing the requests in flight")
                 outputs = self._fail_in_flight(exc)
-            self._num_waiting = self.engine.scheduler.num_waiting_requests()
+            self._num_waiting = self.engine.num_waiting_requests()
             for output in outputs:
                 self._deliver(output)
             if time.monotonic() - last_stats > _STATS_LOG_INTERVAL_S:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoTokenizer
@@ -20,6 +22,7 @@ from backend.engine.output_processor import OutputProcessor
 from backend.engine.sampler import Sampler, score
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
+from backend.engine.structured_output import GrammarCompiler
 from backend.engine.sequence import Request, RequestOutput, Sequence, TokenLogprob
 from backend.errors import InvalidRequest
 from backend.model_files import resolve_model_path
@@ -51,11 +54,14 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, self.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(IncrementalDetokenizer(self.tokenizer), self.eos_token_ids,
                                                 self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.ready_outputs: list[RequestOutput] = []  # produced outside step(): aborts
+        self.compiling: dict[str, Future] = {}  # request id → its grammar, compiling; not yet scheduled
+        self.on_grammar_ready: Callable[[], None] = lambda: None  # the engine loop's wake-up call
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         log.info("engine ready in %.1f s: %s, max_model_len %d", time.monotonic() - started,
@@ -90,8 +96,28 @@ class LLMEngine:
             request.sequences.append(Sequence(request, index, request.prompt_token_ids, generator))
         self.requests[request.request_id] = request
         self.num_prompt_tokens += prompt_len
+        if request.params.constraint is not None:
+            # scheduled once compiled (see _admit_compiled): a slow compile holds back this request alone
+            self.compiling[request.request_id] = self.grammars.compile(*request.params.constraint,
+                                                                       on_done=lambda: self.on_grammar_ready())
+            return
         for seq in request.sequences:
             self.scheduler.add(seq)
+
+    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Schedule the requests whose grammar is ready, each sequence with its own matcher; fail the ones
+        whose grammar is invalid."""
+        for request_id, future in list(self.compiling.items()):
+            if not future.done():
+                continue
+            error = future.exception()
+            if error is not None:
+                outputs.append(self.fail_request(request_id, error))
+                continue
+            del self.compiling[request_id]
+            for seq in self.requests[request_id].sequences:
+                seq.grammar = future.result().deep_copy()
+                self.scheduler.add(seq)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
@@ -129,6 +155,7 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return
+        self.compiling.pop(request_id, None)
         live = [seq for seq in request.sequences if not seq.is_finished]
         for seq in live:
             seq.finish_reason = "abort"
@@ -136,10 +163,20 @@ class LLMEngine:
         self._emit(request, live, self.ready_outputs)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.ready_outputs)
+        """Whether step() has anything to do now (a request whose grammar still compiles has not)."""
+        return (self.scheduler.has_work() or bool(self.ready_outputs)
+                or any(future.done() for future in self.compiling.values()))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self.ready_outputs)
+
+    def num_waiting_requests(self) -> int:
+        """Requests not running yet: compiling their grammar or waiting for admission."""
+        return self.scheduler.num_waiting_requests() + len(self.compiling)
 
     def step(self) -> list[RequestOutput]:
         outputs, self.ready_outputs = self.ready_outputs, []
+        self._admit_compiled(outputs)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
@@ -185,6 +222,7 @@ class LLMEngine:
     def fail_request(self, request_id: str, exc: Exception) -> RequestOutput:
         """End a request with an error: its sequences stop and free their blocks."""
         request = self.requests.pop(request_id)
+        self.compiling.pop(request_id, None)
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
@@ -223,7 +261,7 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.waiting) + len(self.compiling),
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,
             "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,

@@ -1,4 +1,5 @@
-"""Applies each sampled token to its sequence: stop tokens, stop strings, max_tokens, and what may be sent.
+"""Applies each sampled token to its sequence: its grammar, stop tokens, stop strings, max_tokens, and what may
+be sent.
 
 Text that could still become the start of a stop string is held back until it is known not to be, so a
 client never sees part of a stop string that is later trimmed. Stop strings may span tokens."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.sampler import SampledToken
 from backend.engine.sequence import ChoiceDelta, Sequence, SequenceStatus, TokenLogprob
+from backend.engine.structured_output import advance
 
 
 def held_back_length(text: str, stops: list[str], patterns: list, searched_from: int) -> int:
@@ -44,6 +46,7 @@ class OutputProcessor:
         params = seq.params
         if params.logprobs is not None:
             seq.pending_logprobs.append(self.token_logprob(sampled))
+        grammar_complete = seq.grammar is not None and advance(seq.grammar, sampled.token_id)
 
         may_stop = seq.num_output_tokens >= params.min_tokens
         stop_token = may_stop and (
@@ -58,6 +61,9 @@ class OutputProcessor:
             self._finish(seq, "stop", sampled.token_id)
             return
         if may_stop and (params.stop or params.stop_regex) and self._find_stop_string(seq, searched_from):
+            return
+        if grammar_complete:  # e.g. a JSON object's closing brace: only EOS could follow
+            self._finish(seq, "stop", None)
             return
         if seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)

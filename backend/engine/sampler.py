@@ -1,6 +1,7 @@
 """Chooses the next token of each sequence from its logits.
 
-Logits are first adjusted (min_tokens bans, logit_bias, repetition/frequency/presence penalties), then the
+Logits are first adjusted (min_tokens bans, logit_bias, repetition/frequency/presence penalties, and last the
+token bitmask of a constrained sequence's grammar, so nothing can re-enable a token it forbids), then the
 token is greedy or drawn with temperature / top-k / top-p / min-p (kernels.filter_probs), each sequence from
 its own generator so a seeded request is reproducible whatever else runs beside it. Logprobs are those of the
 model's raw distribution (before any adjustment, temperature or filtering), as in vLLM and SGLang."""
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.sequence import Sequence
-from kernels import apply_logit_bias, apply_penalties, filter_probs
+from backend.engine.structured_output import BitmaskFiller
+from kernels import apply_logit_bias, apply_penalties, apply_token_bitmask, filter_probs
 
 
 @dataclass
@@ -40,8 +42,9 @@ def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int]):
+    def __init__(self, eos_token_ids: set[int], vocab_size: int):
         self.eos_token_ids = eos_token_ids
+        self.bitmasks = BitmaskFiller(vocab_size)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -68,12 +71,14 @@ class Sampler:
         return score(logprobs, chosen, [seq.params.logprobs or 0 for seq in seqs])
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """min_tokens bans, logit_bias and penalties; returns logits unchanged (not copied) when none apply."""
+        """min_tokens bans, logit_bias, penalties and grammars; returns logits unchanged (not copied) when none
+        apply."""
         bans = {i: self._early_stop_tokens(seq) for i, seq in enumerate(seqs)
                 if seq.num_output_tokens < seq.params.min_tokens}
         biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
         penalized = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
-        if not (bans or biased or penalized):
+        constrained = any(seq.grammar is not None for seq in seqs)
+        if not (bans or biased or penalized or constrained):
             return logits
         logits = logits.clone()
         if biased:
@@ -87,6 +92,9 @@ class Sampler:
         for i, banned in bans.items():
             if banned:
                 logits[i, banned] = float("-inf")
+        if constrained:
+            bitmask = self.bitmasks.fill([seq.grammar for seq in seqs])
+            apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
         return logits
 
     def _early_stop_tokens(self, seq: Sequence) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 from backend.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
+CONSTRAINT_NAMES = ("json_schema", "regex", "ebnf")
 
 
 def _as_bool(name: str, value: Any) -> bool:
@@ -66,6 +67,17 @@ def _as_logit_bias(name: str, value: Any) -> dict[int, float]:
     return bias
 
 
+def _as_string(name: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise InvalidRequest(f"{name} must be a string", param=name)
+
+
+def _as_json_schema(name: str, value: Any) -> str | None:
+    """A JSON schema as SGLang sends it (a JSON string), or as an object."""
+    return json.dumps(value) if isinstance(value, dict) else _as_string(name, value)
+
+
 def _as_int_list(name: str, value: Any) -> list[int]:
     if value is None:
         return []
@@ -97,6 +109,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens, with this many alternatives
+    # Constrained decoding (structured_output.py), at most one of: a JSON schema, a regular expression the whole
+    # output must match, a Lark or GBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +126,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(parameter name, grammar text) of the request's constraint, if it has one."""
+        for name in CONSTRAINT_NAMES:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
 
     @property
     def stop_patterns(self) -> list[regex.Pattern]:
@@ -151,6 +176,9 @@ class SamplingParams:
             "stop": _as_string_list,
             "stop_regex": _as_string_list,
             "stop_token_ids": _as_int_list,
+            "json_schema": _as_json_schema,
+            "regex": _as_string,
+            "ebnf": _as_string,
         }
         unknown = sorted(set(values) - set(casts))
         if unknown:
@@ -184,6 +212,12 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(message)
+        constraints = [name for name in CONSTRAINT_NAMES if getattr(self, name) is not None]
+        if len(constraints) > 1:
+            raise InvalidRequest(f"only one constraint per request: got {' and '.join(constraints)}",
+                                 param=constraints[1])
+        if constraints and not getattr(self, constraints[0]).strip():
+            raise InvalidRequest(f"{constraints[0]} must not be empty", param=constraints[0])
         for pattern in self.stop_regex:
             try:
                 regex.compile(pattern)

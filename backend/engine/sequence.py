@@ -37,6 +37,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache at first admission
         self.generator = generator
+        self.grammar = None  # llguidance matcher of a constrained request (structured_output.py), else None
         # output side
         self.output_text = ""
         self.num_sent_chars = 0
