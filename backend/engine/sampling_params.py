@@ -51,6 +51,12 @@ def _as_string_list(name: str, value: Any) -> list[str]:
     return [v for v in value if v]
 
 
+def _as_optional_string(name: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value or None
+    raise InvalidRequest(f"{name} must be a string")
+
+
 def _as_logit_bias(name: str, value: Any) -> dict[int, float]:
     if value is None:
         return {}
@@ -97,6 +103,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # number of top alternatives per token; None = no logprobs
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens, with this many alternatives
+    lora_path: str | None = None  # a LoRA adapter: its name or a path inside the adapters directory
+    return_hidden_states: bool = False  # each generated token's final hidden state (after the last norm)
+    return_prompt_hidden_states: bool = False  # also each prompt token's (for echo)
+    return_routed_experts: bool = False  # MoE routing per token: refused, the engine runs dense models only
 
     @property
     def greedy(self) -> bool:
@@ -151,6 +161,10 @@ class SamplingParams:
             "stop": _as_string_list,
             "stop_regex": _as_string_list,
             "stop_token_ids": _as_int_list,
+            "lora_path": _as_optional_string,
+            "return_hidden_states": _as_bool,
+            "return_prompt_hidden_states": _as_bool,
+            "return_routed_experts": _as_bool,
         }
         unknown = sorted(set(values) - set(casts))
         if unknown:
