@@ -51,19 +51,10 @@ class NotYetSupportedParameters(BaseModel):
     truncate_prompt_tokens: int | None = None
 
 
-class NotEnabledParameters(BaseModel):
-    """SGLang features this server does not enable (LoRA adapters, hidden states, MoE routing); refused like
-    `NotYetSupportedParameters`, but with a message of their own (see `CompletionRequest.disabled_parameter`)."""
-
-    lora_path: str | list[str | None] | None = None
-    return_hidden_states: bool = False
-    return_routed_experts: bool = False
-
-
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 
-class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters):
+class SamplingRequest(NotYetSupportedParameters):
     """What completion and chat requests share: the model, sampling, stops and streaming.
 
     Unknown fields are ignored (SDKs send extra_body fields as they are)."""
@@ -101,6 +92,14 @@ class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters):
     skip_special_tokens: bool = True
     user: str | None = None
     """An end-user id for abuse monitoring in OpenAI's API; accepted and ignored."""
+    lora_path: str | list[str | None] | None = None
+    """SGLang extension: the LoRA adapter (its name or a path inside the server's adapters directory), or one
+    per prompt (null: the base model). `model: "<served model>:<adapter>"` says the same."""
+    return_hidden_states: bool = False
+    """SGLang extension: each choice gets `hidden_states`, the final hidden state (after the last norm) of each
+    generated token, and of each prompt token first with echo."""
+    return_routed_experts: bool = False
+    """SGLang extension for mixture-of-experts models; the engine refuses it for dense models."""
 
     @model_validator(mode="before")
     @classmethod
@@ -162,10 +161,6 @@ class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters):
     def unsupported_parameter(self) -> str | None:
         """The first not-yet-supported parameter set to something other than its neutral value."""
         return self._first_non_neutral(NotYetSupportedParameters)
-
-    def disabled_parameter(self) -> str | None:
-        """The first parameter of a feature not enabled here, set to something other than its neutral value."""
-        return self._first_non_neutral(NotEnabledParameters)
 
     def _first_non_neutral(self, group: type[BaseModel]) -> str | None:
         for name, field in group.model_fields.items():
@@ -315,7 +310,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
-class CompletionChoice(BaseModel):
+class _WithHiddenStates(BaseModel):
+    """A choice's `hidden_states` (SGLang extension): present only when requested."""
+
+    hidden_states: list[list[float]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_hidden_states(self, handler) -> dict:
+        data = handler(self)
+        if data.get("hidden_states") is None:
+            data.pop("hidden_states", None)
+        return data
+
+
+class CompletionChoice(_WithHiddenStates):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -393,7 +401,7 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(_WithHiddenStates):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
@@ -420,7 +428,7 @@ class ChatDelta(BaseModel):
         return data
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithHiddenStates):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -438,6 +446,14 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tritonllm"
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's field); absent for the base model."""
+    loaded: bool | None = None
+    """Whether the adapter holds a slot in the engine now (else it loads on first use); absent when unknown."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_fields(self, handler) -> dict:
+        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class ModelList(BaseModel):
