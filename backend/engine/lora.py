@@ -152,8 +152,9 @@ class LoraSlotPool:
             for fused, parts in FUSED_PROJECTIONS.items():
                 in_features = shapes[parts[0]][0]
                 out_features = sum(shapes[part][1] for part in parts)
-                stacks[fused] = (torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype, device=device),
-                                 torch.zeros(max_loras, out_features, len(parts) * max_rank, dtype=dtype, device=device))
+                rank = len(parts) * max_rank
+                stacks[fused] = (torch.zeros(max_loras, rank, in_features, dtype=dtype, device=device),
+                                 torch.zeros(max_loras, out_features, rank, dtype=dtype, device=device))
             self.layers.append(stacks)
         # where each checkpoint projection sits in its fused stack: (fused, rank block, first output row)
         self.placement = {}
