@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
