@@ -22,7 +22,7 @@ READY_TIMEOUT_S = 600  # generous: a large model loading on a slow host
 
 # CLI option → Triton model parameter (backend/config.py EngineConfig field).
 ENGINE_OPTIONS = ("dtype", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queue_len",
-                  "block_size")
+                  "block_size", "max_loras", "max_lora_rank", "max_hidden_states_tokens")
 
 # CLI option → AdapterSettings field; unset (None or empty) keeps the adapter's own default.
 ADAPTER_OPTIONS = ("api_key", "max_body_bytes", "max_prompts", "max_n", "max_best_of", "max_tokens")
@@ -83,6 +83,11 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     _add_option(parser, "max-num-batched-tokens", 512, "token budget of one engine step", type=int)
     _add_option(parser, "max-queue-len", 256, "waiting requests before new ones are refused", type=int)
     _add_option(parser, "block-size", 16, "tokens per KV cache block", type=int)
+    _add_option(parser, "lora-dir", "", "directory of PEFT LoRA adapters, one per subdirectory (empty: LoRA off)")
+    _add_option(parser, "max-loras", 4, "LoRA adapters resident at once", type=int)
+    _add_option(parser, "max-lora-rank", 16, "largest LoRA rank accepted", type=int)
+    _add_option(parser, "max-hidden-states-tokens", 4096,
+                "most hidden states one request may ask for (choices x (max_tokens + echoed prompt tokens))", type=int)
 
 
 def _write_repository(args: argparse.Namespace, repository: Path) -> str:
@@ -92,8 +97,19 @@ def _write_repository(args: argparse.Namespace, repository: Path) -> str:
     log.info("model at %s", model_dir)
     parameters = {"model_path": str(model_dir)}
     parameters.update({name: str(getattr(args, name)) for name in ENGINE_OPTIONS})
+    parameters["lora_dir"] = _lora_dir(args.lora_dir)
     launcher.write_model_repository(repository, parameters)
     return model_files.served_model_name(model_dir)
+
+
+def _lora_dir(configured: str) -> str:
+    """The adapters directory as an absolute path (tritonserver runs elsewhere), or empty."""
+    if not configured:
+        return ""
+    path = Path(configured).resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(f"--lora-dir {configured} is not a directory")
+    return str(path)
 
 
 def _state_dir(configured: str) -> Path:
@@ -171,7 +187,8 @@ def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_
 
     overrides = {name: getattr(args, name) for name in ADAPTER_OPTIONS if getattr(args, name) not in (None, "")}
     settings = AdapterSettings(triton_url=server.grpc_url, triton_model=launcher.MODEL_NAME,
-                               served_model_name=model_name, **overrides)
+                               served_model_name=model_name, lora_dir=_lora_dir(args.lora_dir) or None,
+                               triton_metrics_url=f"http://{server.host}:{server.metrics_port}/metrics", **overrides)
     log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, model_name)
     run(settings, args.host, args.port, args.log_level)
 

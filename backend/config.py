@@ -32,6 +32,10 @@ class EngineConfig:
     max_queue_len: int = 256  # requests waiting for admission before new ones are refused
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    lora_dir: str = ""  # directory of PEFT LoRA adapters (one per subdirectory); empty = LoRA disabled
+    max_loras: int = 4  # adapters resident at once (the slot pool); more wait for a slot
+    max_lora_rank: int = 16  # largest adapter rank accepted (sizes the slot pool)
+    max_hidden_states_tokens: int = 4096  # hidden-state rows one request may ask for (choices × tokens)
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":

@@ -1,6 +1,6 @@
 """Errors a request can end with. The tag in brackets is part of the message that crosses Triton's stream
-(which carries no status code), so the adapter can map it to an HTTP status: `[tag] message`, or
-`[tag:param] message` when one request field is at fault."""
+(which carries no status code), so the adapter can map it to an HTTP status; `[tag:param]` also names the
+request parameter at fault."""
 
 
 class RequestError(Exception):
@@ -19,6 +19,12 @@ class InvalidRequest(RequestError):
     """Bad input: the adapter answers 400."""
 
     tag = "invalid_request"
+
+
+class NotFound(RequestError):
+    """The request names something this server does not have (a LoRA adapter): the adapter answers 404."""
+
+    tag = "not_found"
 
 
 class Overloaded(RequestError):

@@ -119,6 +119,8 @@ class ResponseBuilder:
         self.cumulative_logprobs = [0.0] * count
         self.num_output_tokens = [0] * count
         self.prompt_logprobs: list | None = None
+        self.hidden_states: list[list] = [[] for _ in range(count)]
+        self.prompt_hidden_states: list | None = None
         if not request.stream and not request.exclude_input_in_output and isinstance(request.prompt, str):
             self.texts = [request.prompt] * count
 
@@ -127,13 +129,17 @@ class ResponseBuilder:
         if self.request.stream:  # each response carries only what is new
             self.texts, self.logprobs = [""] * count, [[] for _ in range(count)]
             self.finish_reasons, self.matched_stops = [""] * count, [None] * count
-            self.prompt_logprobs = None
+            self.prompt_logprobs, self.prompt_hidden_states = None, None
+            self.hidden_states = [[] for _ in range(count)]
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = [_logprob_entry(lp) for lp in output.prompt_logprobs]
+        if output.prompt_hidden_states is not None:
+            self.prompt_hidden_states = output.prompt_hidden_states.tolist()
         for delta in output.choices:
             i = delta.index
             self.texts[i] += delta.text
             self.logprobs[i].extend(map(_logprob_entry, delta.logprobs))
+            self.hidden_states[i].extend(row.tolist() for row in delta.hidden_states)
             self.cumulative_logprobs[i] = delta.cumulative_logprob
             self.num_output_tokens[i] = delta.num_output_tokens
             self.finish_reasons[i] = delta.finish_reason or ""
@@ -165,6 +171,11 @@ class ResponseBuilder:
             tensors["logprobs"] = strings([json.dumps(entries) for entries in self.logprobs])
         if self.prompt_logprobs is not None:
             tensors["prompt_logprobs"] = np.array([json.dumps(self.prompt_logprobs).encode()], dtype=np.object_)
+        if self.request.params.return_hidden_states:
+            tensors["hidden_states"] = strings([json.dumps(rows) for rows in self.hidden_states])
+        if self.prompt_hidden_states is not None:
+            tensors["prompt_hidden_states"] = np.array([json.dumps(self.prompt_hidden_states).encode()],
+                                                       dtype=np.object_)
         if "num_input_tokens" in wanted:
             tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
         if "num_output_tokens" in wanted:

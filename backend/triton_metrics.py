@@ -20,6 +20,9 @@ COUNTERS = {
 }
 
 
+LORA_LOADED = ("tritonllm:lora_adapter_loaded",
+               "1 while the LoRA adapter (label adapter) holds a slot of the pool, 0 once evicted")
+
 HISTOGRAMS = {
     "time_to_first_token": ("tritonllm:time_to_first_token_seconds", "Time from arrival to the first token",
                             [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
@@ -39,6 +42,10 @@ class EngineMetrics:
         self.gauges = {key: family(n, d, pb_utils.MetricFamily.GAUGE) for key, (n, d) in GAUGES.items()}
         self.counters = {key: family(n, d, pb_utils.MetricFamily.COUNTER) for key, (n, d) in COUNTERS.items()}
         self.counted = {key: 0 for key in COUNTERS}
+        self.labels = labels
+        self.lora_family = pb_utils.MetricFamily(name=LORA_LOADED[0], description=LORA_LOADED[1],
+                                                 kind=pb_utils.MetricFamily.GAUGE)
+        self.lora_loaded = {}  # adapter name → its gauge, created when the adapter is first loaded
         self.histograms = {}
         for key, (name, description, buckets) in HISTOGRAMS.items():
             self.families.append(pb_utils.MetricFamily(name=name, description=description,
@@ -51,6 +58,11 @@ class EngineMetrics:
         for key, metric in self.counters.items():
             metric.increment(float(stats[key] - self.counted[key]))
             self.counted[key] = stats[key]
+        loaded = set(stats["loaded_loras"])
+        for name in loaded - set(self.lora_loaded):
+            self.lora_loaded[name] = self.lora_family.Metric(labels={**self.labels, "adapter": name})
+        for name, metric in self.lora_loaded.items():
+            metric.set(1.0 if name in loaded else 0.0)
 
 
 class LatencyTracker:

@@ -14,6 +14,7 @@ import torch
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.kv_cache import store_kv_cache_reference, store_kv_cache_triton
+from kernels.lora import lora_delta_reference, lora_delta_triton
 from kernels.prefill_attention import prefill_attention_reference, prefill_attention_triton
 from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
@@ -44,6 +45,8 @@ apply_penalties = _dispatch(apply_penalties_triton, apply_penalties_reference)
 apply_logit_bias = _dispatch(apply_logit_bias_triton, apply_logit_bias_reference)
 apply_token_bitmask = _dispatch(apply_token_bitmask_triton, apply_token_bitmask_reference)
 filter_probs = _dispatch(filter_probs_triton, filter_probs_reference)
+lora_delta = _dispatch(lora_delta_triton, lora_delta_reference)
 
 __all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
-           "prefill_attention", "apply_penalties", "apply_logit_bias", "apply_token_bitmask", "filter_probs"]
+           "prefill_attention", "apply_penalties", "apply_logit_bias", "apply_token_bitmask", "filter_probs",
+           "lora_delta"]

@@ -28,6 +28,9 @@ def main() -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=defaults.max_tokens, help="largest max_tokens (default: the context's)"
     )
+    parser.add_argument("--lora-dir", default=None, help="the engine's LoRA adapters directory (default: LoRA off)")
+    parser.add_argument("--triton-metrics-url", default=None,
+                        help="tritonserver's metrics endpoint, e.g. http://127.0.0.1:8002/metrics (loaded adapters)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -44,6 +47,8 @@ def main() -> None:
         max_n=args.max_n,
         max_best_of=args.max_best_of,
         max_tokens=args.max_tokens,
+        lora_dir=args.lora_dir,
+        triton_metrics_url=args.triton_metrics_url,
     )
     run(settings, host=args.host, port=args.port, log_level=args.log_level)
 

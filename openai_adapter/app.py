@@ -16,6 +16,7 @@ from openai_adapter.completions import CompletionService
 from openai_adapter.concurrency import cancel_on_disconnect
 from openai_adapter.errors import install_exception_handlers, service_unavailable
 from openai_adapter.limits import check_limits, read_body
+from openai_adapter.lora import available_adapters, loaded_adapters
 from openai_adapter.metrics import AdapterMetrics, MetricsMiddleware
 from openai_adapter.openapi import error_responses, generation_route_docs, install_request_components
 from openai_adapter.protocol import (
@@ -42,7 +43,7 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         # The gRPC channel belongs to the serving event loop, so it is made here rather than at import.
         triton = TritonClient(settings)
         app.state.triton = triton
-        app.state.completions = CompletionService(triton, settings.served_model_name)
+        app.state.completions = CompletionService(triton, settings.served_model_name, settings.lora_dir is not None)
         app.state.chat = ChatService(app.state.completions)
         try:
             yield
@@ -88,7 +89,17 @@ def create_app(settings: AdapterSettings) -> FastAPI:
 
     @v1.get("/models", responses=error_responses(401) if with_auth else None)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.served_model_name, created=started)])
+        """The base model, then each LoRA adapter as `<base>:<adapter>` (what `model` accepts)."""
+        base = settings.served_model_name
+        cards = [ModelCard(id=base, created=started)]
+        if settings.lora_dir is not None:
+            loaded = await loaded_adapters(settings.triton_metrics_url) if settings.triton_metrics_url else None
+            cards += [
+                ModelCard(id=f"{base}:{name}", created=started, parent=base,
+                          loaded=None if loaded is None else name in loaded)
+                for name in available_adapters(settings.lora_dir)
+            ]
+        return ModelList(data=cards)
 
     app.include_router(v1)
 

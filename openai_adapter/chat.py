@@ -41,6 +41,7 @@ class ChatService:
                     logprobs=chat_logprobs(choice.logprobs) if choice.logprobs else None,
                     finish_reason=choice.finish_reason,
                     matched_stop=choice.matched_stop,
+                    hidden_states=choice.hidden_states,
                 )
                 for choice in completion.choices
             ],
@@ -68,6 +69,7 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int]) -> ChatCompletionC
                 logprobs=chat_logprobs(choice.logprobs) if choice.logprobs else None,
                 finish_reason=choice.finish_reason,
                 matched_stop=choice.matched_stop,
+                hidden_states=choice.hidden_states,
             )
         )
     return ChatCompletionChunk(

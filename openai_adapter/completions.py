@@ -63,6 +63,9 @@ def sampling_parameters(request: GenerationRequest) -> dict:
         "no_stop_trim": (request.no_stop_trim, False),
         "logprobs": (request.engine_logprobs(), None),
         "prompt_logprobs": (engine_prompt_logprobs(request), None),
+        "return_hidden_states": (request.return_hidden_states, False),
+        "return_prompt_hidden_states": (request.return_hidden_states and request.echo, False),
+        "return_routed_experts": (request.return_routed_experts, False),
     }
     parameters.update({name: value for name, (value, neutral) in optional.items() if value != neutral})
     constraint = request.constraint()
@@ -74,7 +77,7 @@ def sampling_parameters(request: GenerationRequest) -> dict:
 class _ChoiceState:
     """One choice of the completion, built up from the responses of its Triton request."""
 
-    def __init__(self, index: int, with_logprobs: bool) -> None:
+    def __init__(self, index: int, with_logprobs: bool, with_hidden_states: bool) -> None:
         self.index = index
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None
@@ -82,10 +85,16 @@ class _ChoiceState:
         self._text_parts: list[str] = []
         self._unsent_echo = _NO_ECHO
         self._logprobs = LogprobsAccumulator() if with_logprobs else None
+        self._hidden_states: list[list[float]] | None = [] if with_hidden_states else None
+        self._unsent_prompt_hidden_states: list[list[float]] = []
 
     def echo(self, echo: Echo) -> None:
         """Put the prompt before the choice's text; it goes out with the next output."""
         self._unsent_echo = echo
+
+    def echo_hidden_states(self, rows: list[list[float]]) -> None:
+        """Put the prompt's hidden states before the choice's own; they go out with the next output."""
+        self._unsent_prompt_hidden_states = rows
 
     def add(self, output: ChoiceOutput) -> CompletionChoice | None:
         """Record one response's output; returns what a stream chunk should carry, None if nothing new."""
@@ -95,16 +104,21 @@ class _ChoiceState:
         text = self._unsent_echo.text + output.text
         entries = self._unsent_echo.logprobs + output.logprobs
         self._unsent_echo = _NO_ECHO
+        hidden_states = None
+        if self._hidden_states is not None:
+            hidden_states = self._unsent_prompt_hidden_states + output.hidden_states
+            self._unsent_prompt_hidden_states = []
+            self._hidden_states.extend(hidden_states)
         self._text_parts.append(text)
         self.finish_reason = output.finish_reason
         self.matched_stop = output.matched_stop
         if output.num_output_tokens is not None:
             self.num_output_tokens = output.num_output_tokens
         logprobs = self._logprobs.add(entries) if self._logprobs else None
-        if not text and not entries and self.finish_reason is None:
+        if not text and not entries and not hidden_states and self.finish_reason is None:
             return None
         return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
-                                matched_stop=self.matched_stop)
+                                matched_stop=self.matched_stop, hidden_states=hidden_states)
 
     def whole(self) -> CompletionChoice:
         return CompletionChoice(
@@ -113,6 +127,7 @@ class _ChoiceState:
             logprobs=self._logprobs.total if self._logprobs else None,
             finish_reason=self.finish_reason,
             matched_stop=self.matched_stop,
+            hidden_states=self._hidden_states,
         )
 
 
@@ -130,7 +145,8 @@ class CompletionAssembler:
         self._with_logprobs = request.engine_logprobs() is not None
         self._prompts = request.prompts()
         self._choices = [
-            _ChoiceState(index=index, with_logprobs=self._with_logprobs)
+            _ChoiceState(index=index, with_logprobs=self._with_logprobs,
+                         with_hidden_states=request.return_hidden_states)
             for index in range(len(self._prompts) * request.n)
         ]
         # Prompts whose echo is built from the prompt logprobs of their first response carrying them.
@@ -159,6 +175,9 @@ class CompletionAssembler:
             echo = echo_from_prompt_logprobs(self._prompts[prompt_index], chunk.prompt_logprobs, self._with_logprobs)
             for state in states:
                 state.echo(echo)
+        if chunk.prompt_hidden_states is not None:  # asked for only with echo
+            for state in states:
+                state.echo_hidden_states(chunk.prompt_hidden_states)
         updates = [state.add(output) for state, output in zip(states, chunk.choices)]
         return [choice for choice in updates if choice is not None]
 
@@ -200,25 +219,26 @@ class CompletionAssembler:
 class CompletionService:
     """Runs completion requests against the Triton model."""
 
-    def __init__(self, triton: TritonClient, served_model_name: str) -> None:
+    def __init__(self, triton: TritonClient, served_model_name: str, lora_enabled: bool = False) -> None:
         self._triton = triton
         self._served_model_name = served_model_name
+        self._lora_enabled = lora_enabled
 
     async def complete(self, request: GenerationRequest) -> CompletionResponse:
         """A whole (non-streamed) completion."""
-        self._validate(request)
+        adapters = self._validate(request)
         assembler = CompletionAssembler(request)
-        async with aclosing(self._responses(request, assembler.id)) as responses:
+        async with aclosing(self._responses(request, adapters, assembler.id)) as responses:
             async for prompt_index, chunk in responses:
                 assembler.add(prompt_index, chunk)
         return assembler.response()
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[CompletionResponse]:
         """The chunks of a streamed completion; each choice gets exactly one chunk with a finish reason."""
-        self._validate(request)
+        adapters = self._validate(request)
         assembler = CompletionAssembler(request)
         options = request.stream_options or StreamOptions()
-        async with aclosing(self._responses(request, assembler.id)) as responses:
+        async with aclosing(self._responses(request, adapters, assembler.id)) as responses:
             async for prompt_index, chunk in responses:
                 choices = assembler.add(prompt_index, chunk)
                 if choices:
@@ -227,47 +247,64 @@ class CompletionService:
         if options.include_usage:
             yield assembler.chunk([], assembler.usage())
 
-    def _validate(self, request: GenerationRequest) -> None:
-        """Refuse what the schema accepts but this service cannot do (yet)."""
-        if request.model != self._served_model_name:
-            raise model_not_found(request.model)
+    def _validate(self, request: GenerationRequest) -> list[str | None]:
+        """Refuse what the schema accepts but this service cannot do (yet); returns each prompt's LoRA adapter."""
+        adapters = self._adapters(request)
         unsupported = request.unsupported_parameter()
         if unsupported is not None:
             raise unsupported_parameter(unsupported)
-        disabled = request.disabled_parameter()
-        if disabled is not None:
-            raise parameter_not_enabled(disabled)
         request.constraint()  # more than one → 400
         if request.suffix:
             raise invalid_request(
                 f"suffix is not supported: the model '{self._served_model_name}' has no fill-in-the-middle support.",
                 "suffix",
             )
+        return adapters
+
+    def _adapters(self, request: GenerationRequest) -> list[str | None]:
+        """Each prompt's LoRA adapter (None: the base model), from `model: "<served>:<adapter>"` or `lora_path`.
+        Whether it exists is the engine's to say (it answers not found), as it owns the adapters directory."""
+        base, colon, from_model = request.model.partition(":")
+        if base != self._served_model_name or (colon and not (from_model and self._lora_enabled)):
+            raise model_not_found(request.model)
+        count = len(request.prompts())
+        lora_path = request.lora_path
+        if lora_path in (None, "", []):
+            return [from_model or None] * count
+        if not self._lora_enabled:
+            raise parameter_not_enabled("lora_path")
+        if from_model:
+            raise invalid_request("Give the LoRA adapter either in 'model' or in 'lora_path', not both.", "lora_path")
+        if isinstance(lora_path, str):
+            return [lora_path] * count
+        if len(lora_path) != count:
+            raise invalid_request(f"lora_path has {len(lora_path)} entries for {count} prompts.", "lora_path")
+        return [path or None for path in lora_path]
 
     async def _responses(
-        self, request: GenerationRequest, completion_id: str
+        self, request: GenerationRequest, adapters: list[str | None], completion_id: str
     ) -> AsyncIterator[tuple[int, TritonChunk]]:
         """Responses of all the prompts' Triton requests, run concurrently, tagged with the prompt index."""
         parameters = sampling_parameters(request)
         constraint = request.constraint()
-        responses = merge(
-            [
-                self._triton.generate(
-                    prompt,
-                    parameters,
-                    stream=request.stream,
-                    return_logprobs=request.engine_logprobs() is not None,
-                    request_id=f"{completion_id}-{prompt_index}",
-                )
-                for prompt_index, prompt in enumerate(request.prompts())
-            ]
-        )
+        calls = [
+            self._triton.generate(
+                prompt,
+                parameters if adapter is None else {**parameters, "lora_path": adapter},
+                stream=request.stream,
+                return_logprobs=request.engine_logprobs() is not None,
+                request_id=f"{completion_id}-{prompt_index}",
+            )
+            for prompt_index, (prompt, adapter) in enumerate(zip(request.prompts(), adapters))
+        ]
         try:
-            async with aclosing(responses):
+            async with aclosing(merge(calls)) as responses:
                 async for item in responses:
                     yield item
         except AdapterError as error:
-            # The engine names its own field (an invalid grammar): the client should see the one it sent.
-            if constraint is not None and error.param == constraint.engine_field:
-                error.param = constraint.param
+            # The engine names its own fields: the client should see the one it sent.
+            if error.code == "model_not_found" and ":" in request.model:
+                error.param = "model"  # the unknown adapter came from the model name
+            elif constraint is not None and error.param == constraint.engine_field:
+                error.param = constraint.param  # e.g. response_format for an invalid schema
             raise

@@ -58,13 +58,12 @@ def parameter_not_enabled(param: str) -> AdapterError:
 
 
 def model_not_found(model: str) -> AdapterError:
-    return AdapterError(
-        404,
-        f"The model '{model}' does not exist.",
-        error_type="invalid_request_error",
-        param="model",
-        code="model_not_found",
-    )
+    return not_found(f"The model '{model}' does not exist.", "model")
+
+
+def not_found(message: str, param: str | None) -> AdapterError:
+    """A model or LoRA adapter this server does not have."""
+    return AdapterError(404, message, error_type="invalid_request_error", param=param, code="model_not_found")
 
 
 def invalid_api_key(message: str) -> AdapterError:

@@ -44,15 +44,6 @@ class NotYetSupportedParameters(BaseModel):
     truncate_prompt_tokens: int | None = None
 
 
-class NotEnabledParameters(BaseModel):
-    """SGLang features this server does not enable (LoRA adapters, hidden states, MoE routing); refused like
-    `NotYetSupportedParameters`, but with a message of their own (see `CompletionRequest.disabled_parameter`)."""
-
-    lora_path: str | list[str | None] | None = None
-    return_hidden_states: bool = False
-    return_routed_experts: bool = False
-
-
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 
@@ -125,7 +116,7 @@ class StructuredOutputParameters(BaseModel):
         found: list[Constraint] = []
 
         def add(param: str, engine_field: str, text: str | dict[str, Any] | None) -> None:
-            if text is not None:
+            if text is not None and text != "":  # as the engine: an empty string constrains nothing
                 found.append(Constraint(param, engine_field, text if isinstance(text, str) else json.dumps(text)))
 
         response_format = self.response_format
@@ -144,7 +135,7 @@ class StructuredOutputParameters(BaseModel):
         return found
 
 
-class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters, StructuredOutputParameters):
+class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
     """What completion and chat requests share: the model, sampling, stops and streaming.
 
     Unknown fields are ignored (SDKs send extra_body fields as they are)."""
@@ -182,6 +173,14 @@ class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters, Structure
     skip_special_tokens: bool = True
     user: str | None = None
     """An end-user id for abuse monitoring in OpenAI's API; accepted and ignored."""
+    lora_path: str | list[str | None] | None = None
+    """SGLang extension: the LoRA adapter (its name or a path inside the server's adapters directory), or one
+    per prompt (null: the base model). `model: "<served model>:<adapter>"` says the same."""
+    return_hidden_states: bool = False
+    """SGLang extension: each choice gets `hidden_states`, the final hidden state (after the last norm) of each
+    generated token, and of each prompt token first with echo."""
+    return_routed_experts: bool = False
+    """SGLang extension for mixture-of-experts models; the engine refuses it for dense models."""
 
     @model_validator(mode="before")
     @classmethod
@@ -243,10 +242,6 @@ class SamplingRequest(NotYetSupportedParameters, NotEnabledParameters, Structure
     def unsupported_parameter(self) -> str | None:
         """The first not-yet-supported parameter set to something other than its neutral value."""
         return self._first_non_neutral(NotYetSupportedParameters)
-
-    def disabled_parameter(self) -> str | None:
-        """The first parameter of a feature not enabled here, set to something other than its neutral value."""
-        return self._first_non_neutral(NotEnabledParameters)
 
     def _first_non_neutral(self, group: type[BaseModel]) -> str | None:
         for name, field in group.model_fields.items():
@@ -396,7 +391,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
-class CompletionChoice(BaseModel):
+class _WithHiddenStates(BaseModel):
+    """A choice's `hidden_states` (SGLang extension): present only when requested."""
+
+    hidden_states: list[list[float]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_hidden_states(self, handler) -> dict:
+        data = handler(self)
+        if data.get("hidden_states") is None:
+            data.pop("hidden_states", None)
+        return data
+
+
+class CompletionChoice(_WithHiddenStates):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -474,7 +482,7 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(_WithHiddenStates):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
@@ -501,7 +509,7 @@ class ChatDelta(BaseModel):
         return data
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithHiddenStates):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -519,6 +527,14 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tritonllm"
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's field); absent for the base model."""
+    loaded: bool | None = None
+    """Whether the adapter holds a slot in the engine now (else it loads on first use); absent when unknown."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_fields(self, handler) -> dict:
+        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class ModelList(BaseModel):

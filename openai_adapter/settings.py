@@ -27,3 +27,8 @@ class AdapterSettings:
     max_best_of: int = 16
     max_tokens: int | None = None
     """Largest accepted max_tokens; None leaves only the engine's context-length check."""
+    lora_dir: str | None = None
+    """The engine's LoRA adapters directory (the same path): enables `model: "<served>:<adapter>"` and
+    `lora_path`, and /v1/models lists its adapters. None: LoRA is off."""
+    triton_metrics_url: str | None = None
+    """tritonserver's Prometheus endpoint: /v1/models reads which adapters are loaded from it."""

@@ -11,7 +11,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -23,6 +23,7 @@ from openai_adapter.errors import (
     gateway_timeout,
     internal_error,
     invalid_request,
+    not_found,
     service_unavailable,
 )
 from openai_adapter.settings import AdapterSettings
@@ -47,7 +48,7 @@ _ALWAYS_RETURNED = (
 
 # The backend tags the errors it raises on purpose (gRPC stream errors carry no status code);
 # see _error_from_message.
-_ERROR_TAG = re.compile(r"\[(invalid_request|overloaded|cancelled|internal)(?::(\w+))?\]\s*")
+_ERROR_TAG = re.compile(r"\[(invalid_request|not_found|overloaded|cancelled|internal)(?::(\w+))?\]\s*")
 # Triton's own answer while the model is missing or still loading.
 _MODEL_NOT_AVAILABLE = re.compile(r"unknown model", re.IGNORECASE)
 
@@ -66,6 +67,8 @@ class ChoiceOutput:
     """Tokens generated so far."""
     matched_stop: str | int | None
     """The stop string (or stop_regex match) or stop token id that finished the choice; None until then."""
+    hidden_states: list[list[float]] = field(default_factory=list)
+    """Final hidden states of the new tokens; empty unless return_hidden_states was requested."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class TritonChunk:
     num_cached_tokens: int | None
     prompt_logprobs: list[dict | None] | None
     """Engine entries of every prompt token (the first None), in one response only, when requested."""
+    prompt_hidden_states: list[list[float]] | None = None
+    """Final hidden states of every prompt token, in one response only, when requested (echo)."""
 
 
 class TritonClient:
@@ -187,16 +192,19 @@ def _parse_response(result: InferResult) -> TritonChunk:
     num_input_tokens = _ints(result, "num_input_tokens")
     num_cached_tokens = _ints(result, "num_cached_tokens")
     prompt_logprobs = _strings(result, "prompt_logprobs")
+    hidden_states = [json.loads(rows) for rows in _strings(result, "hidden_states")] or [[]] * count
+    prompt_hidden_states = _strings(result, "prompt_hidden_states")
     return TritonChunk(
         choices=[
-            ChoiceOutput(text, finish_reason or None, entries, tokens, matched_stop)
-            for text, finish_reason, entries, tokens, matched_stop in zip(
-                texts, finish_reasons, logprobs, num_output_tokens, matched_stops
+            ChoiceOutput(text, finish_reason or None, entries, tokens, matched_stop, hidden)
+            for text, finish_reason, entries, tokens, matched_stop, hidden in zip(
+                texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states
             )
         ],
         num_input_tokens=num_input_tokens[0] if num_input_tokens else None,
         num_cached_tokens=num_cached_tokens[0] if num_cached_tokens else None,
         prompt_logprobs=json.loads(prompt_logprobs[0]) if prompt_logprobs else None,
+        prompt_hidden_states=json.loads(prompt_hidden_states[0]) if prompt_hidden_states else None,
     )
 
 
@@ -220,6 +228,8 @@ def _error_from_message(message: str) -> AdapterError:
     kind, param, detail = tag.group(1), tag.group(2), message[tag.end() :]
     if kind == "invalid_request":
         return invalid_request(detail, param)
+    if kind == "not_found":
+        return not_found(detail, param)
     if kind == "internal":
         return internal_error(detail)
     # Overloaded, or cancelled by the server (e.g. shutting down): both are worth a retry.

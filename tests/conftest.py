@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from backend.model_files import prepare_default_model, served_model_name
-from stack_helpers import REPO_ROOT, STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, free_ports
+from lora_helpers import write_random_adapter
+from stack_helpers import REPO_ROOT, STACK_LORA_ADAPTERS, STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, free_ports
 
 STACK_START_TIMEOUT_S = 180
 STACK_KV_CACHE_MEMORY = "128MiB"  # ~2,900 tokens of SmolLM2-135M KV in float32: keeps the test stack light
@@ -31,6 +32,7 @@ class Stack:
     metrics_url: str  # Prometheus endpoint: http://127.0.0.1:PORT/metrics
     model_name: str  # the served model name for the `model` field
     state_dir: Path  # runtime repository, tritonserver.log and serve.log
+    lora_dir: Path  # the LoRA adapters directory it serves (STACK_LORA_ADAPTERS)
 
 
 def _tail(path: Path, lines: int = 60) -> str:
@@ -55,7 +57,16 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack_lora_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Small random adapters for the stack, written once per session (a fraction of a second)."""
+    root = tmp_path_factory.mktemp("lora")
+    for seed, name in enumerate(STACK_LORA_ADAPTERS, start=1):
+        write_random_adapter(root / name, default_model_dir, seed=seed, std=0.04)
+    return root
+
+
+@pytest.fixture(scope="session")
+def stack(default_model_dir: Path, stack_lora_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     state_dir = tmp_path_factory.mktemp("stack")
     adapter_port, http_port, grpc_port, metrics_port = free_ports(4)
     command = [
@@ -64,6 +75,7 @@ def stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "--max-num-seqs", str(STACK_MAX_NUM_SEQS), "--max-queue-len", str(STACK_MAX_QUEUE_LEN),
         "--port", str(adapter_port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
         "--metrics-port", str(metrics_port), "--state-dir", str(state_dir),
+        "--lora-dir", str(stack_lora_dir), "--max-loras", "1",
     ]
     serve_log = state_dir / "serve.log"
     with open(serve_log, "wb") as log:
@@ -85,6 +97,7 @@ def stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
             model_name=served_model_name(default_model_dir),
             state_dir=state_dir,
+            lora_dir=stack_lora_dir,
         )
     finally:
         process.send_signal(signal.SIGTERM)

@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STACK_MAX_NUM_SEQS = 8  # small limits so the overload test reaches them with few clients
 STACK_MAX_QUEUE_LEN = 8
+STACK_LORA_ADAPTERS = ("alpha", "beta")  # served with --max-loras 1: using both evicts one
 
 
 def free_ports(count: int) -> list[int]:

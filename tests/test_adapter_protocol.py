@@ -170,15 +170,16 @@ def test_text_response_format_is_no_constraint(client):
     assert _error(response, 503)
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [("lora_path", "adapter"), ("lora_path", ["a", None]), ("return_hidden_states", True),
-     ("return_routed_experts", True)],
-)
-def test_parameter_of_a_feature_not_enabled_is_400(client, field, value):
-    error = _error(_complete(client, **{field: value}), 400)
-    assert error["param"] == field
+@pytest.mark.parametrize("value", ["adapter", ["a", None]])
+def test_lora_path_without_an_adapters_directory_is_400(client, value):
+    error = _error(_complete(client, lora_path=value), 400)
+    assert error["param"] == "lora_path"
     assert "not enabled on this server" in error["message"]
+
+
+def test_adapter_model_name_without_an_adapters_directory_is_404(client):
+    error = _error(_complete(client, model=f"{MODEL}:adapter"), 404)
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
 
 
 def test_suffix_is_400_naming_fill_in_the_middle(client):

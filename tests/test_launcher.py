@@ -58,7 +58,7 @@ def test_set_parameters_escapes_quotes_and_backslashes():
 
 def test_repo_config_declares_every_engine_parameter():
     config = (launcher.SOURCE_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
-    assert set(_parameters(config)) == {"model_path", *cli.ENGINE_OPTIONS}
+    assert set(_parameters(config)) == {"model_path", "lora_dir", *cli.ENGINE_OPTIONS}  # paths: resolved apart
     assert "decoupled: true" in config
 
 

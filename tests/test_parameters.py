@@ -379,8 +379,8 @@ def test_suffix_is_refused(complete):
         ({"stop_regex": "(oops"}, "stop_regex"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"echo": "yes please"}, "echo"),
-        ({"lora_path": "my-adapter"}, "lora_path"),
-        ({"return_hidden_states": True}, "return_hidden_states"),
+        ({"lora_path": "../outside"}, "lora_path"),
+        ({"return_routed_experts": True}, "return_routed_experts"),
     ],
 )
 def test_out_of_range_values_are_400_naming_the_parameter(stack, fields, param):

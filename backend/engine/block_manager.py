@@ -1,6 +1,7 @@
 """The paged KV block pool: allocation, reference counts and the automatic prefix cache.
 
 A full block is keyed by a hash chain (parent block's key + its own tokens), so equal keys mean equal prefixes.
+The chain of a sequence run with a LoRA adapter starts from the adapter's name: adapters never share KV.
 Freed blocks that hold a cached prefix stay findable until they are reused (LRU order)."""
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class BlockManager:
     def _block_key(self, parent_key: int | None, tokens: tuple[int, ...]) -> int:
         return hash((parent_key, tokens))
 
+    def _root_key(self, seq: Sequence) -> int | None:
+        """The parent key of a sequence's first block: None for the base model, else its adapter's salt."""
+        salt = seq.prefix_cache_salt
+        return None if salt is None else hash(("lora", salt))
+
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         key = self.block_keys[block]
@@ -54,10 +60,10 @@ class BlockManager:
 
         The last token is always left to compute, since its logits are needed to sample."""
         assert not seq.block_table
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent_key = None
+        parent_key = self._root_key(seq)
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             key = self._block_key(parent_key, tokens)
@@ -88,7 +94,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         for i in range(len(seq.full_block_keys), seq.num_computed_tokens // self.block_size):
-            parent_key = seq.full_block_keys[-1] if seq.full_block_keys else None
+            parent_key = seq.full_block_keys[-1] if seq.full_block_keys else self._root_key(seq)
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             key = self._block_key(parent_key, tokens)
             block = seq.block_table[i]

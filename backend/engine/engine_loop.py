@@ -15,7 +15,7 @@ from backend.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Request, RequestOutput
-from backend.errors import InvalidRequest, Overloaded
+from backend.errors import Overloaded, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class EngineLoop:
                 self._num_queued -= 1
             try:
                 self.engine.add_request(item)
-            except InvalidRequest as exc:
+            except RequestError as exc:  # bad input or an unknown adapter: a message for the client
                 self._deliver(RequestOutput(item.request_id, [], 0, 0, True, error=exc))
             except Exception as exc:  # e.g. the tokenizer choking: this request fails, the loop goes on
                 log.exception("request %s could not be added", item.request_id)

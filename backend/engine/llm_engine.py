@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 from backend.config import EngineConfig
 from backend.engine.block_manager import BlockManager
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.model_runner import ModelRunner, PromptLogits
+from backend.engine.lora import AdapterDirectory, LoraAdapter
+from backend.engine.model_runner import ModelRunner, PromptHiddenStates, PromptLogits
 from backend.engine.output_processor import OutputProcessor
 from backend.engine.sampler import Sampler, score
 from backend.engine.sampling_params import SamplingParams
@@ -53,7 +54,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.adapters = (AdapterDirectory(config.lora_dir, arch, config.max_lora_rank) if config.lora_dir else None)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.runner.lora_slots)
         self.sampler = Sampler(self.eos_token_ids, self.vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.output_processor = OutputProcessor(IncrementalDetokenizer(self.tokenizer), self.eos_token_ids,
@@ -87,6 +90,8 @@ class LLMEngine:
                 f"prompt ({prompt_len} tokens) + max_tokens ({request.max_tokens}) exceeds the context length "
                 f"of {capacity} tokens")
         self._check_token_ids(request.params)
+        self._check_extensions(request)
+        request.lora = self._adapter(request.params.lora_path)
         for index in range(request.params.num_sequences):
             generator = torch.Generator(device=self.runner.device)
             if request.params.seed is None:
@@ -124,6 +129,30 @@ class LLMEngine:
             bad = [t for t in token_ids if t >= self.vocab_size]
             if bad:
                 raise InvalidRequest(f"{name} has token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_extensions(self, request: Request) -> None:
+        params = request.params
+        if params.return_routed_experts:
+            raise InvalidRequest(f"the model {self.model_dir.name} has no experts (dense Llama): "
+                                 "return_routed_experts needs a mixture-of-experts model", "return_routed_experts")
+        if params.return_hidden_states or params.return_prompt_hidden_states:
+            per_choice = (request.max_tokens if params.return_hidden_states else 0) + \
+                (len(request.prompt_token_ids) if params.return_prompt_hidden_states else 0)
+            rows = per_choice * params.num_sequences
+            if rows > self.config.max_hidden_states_tokens:
+                raise InvalidRequest(
+                    f"return_hidden_states would return {rows} hidden states (choices × (max_tokens + echoed prompt "
+                    f"tokens)); this server's max_hidden_states_tokens is {self.config.max_hidden_states_tokens}: "
+                    "lower max_tokens or n", "return_hidden_states")
+
+    def _adapter(self, lora_path: str | None) -> LoraAdapter | None:
+        """The request's LoRA adapter: the loaded one when resident, else read from its files."""
+        if lora_path is None:
+            return None
+        if self.adapters is None:
+            raise InvalidRequest("LoRA adapters are not enabled on this server (no lora_dir)", "lora_path")
+        name = self.adapters.resolve(lora_path)
+        return self.runner.lora_slots.resident(name) or self.adapters.load(name)
 
     def _tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """Token ids of a text, token-id or chat-messages prompt."""
@@ -180,7 +209,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        logits, sample_seqs, prompt_logits = self.runner.execute(scheduled)
+        result = self.runner.execute(scheduled)
+        logits, sample_seqs = result.logits, result.sample_seqs
         failed: dict[str, Exception] = {}  # request id → what went wrong in its own post-processing
 
         def isolated(seq: Sequence, work, *args) -> None:
@@ -193,8 +223,10 @@ class LLMEngine:
                 log.exception("request %s failed while processing its output", seq.request.request_id)
                 failed[seq.request.request_id] = exc
 
-        for chunk in prompt_logits:
+        for chunk in result.prompt_logits:
             isolated(chunk.seq, self._record_prompt_logprobs, chunk)
+        for chunk in result.prompt_hidden:
+            self._record_prompt_hidden_states(chunk)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_full_blocks(item.seq)
@@ -206,6 +238,8 @@ class LLMEngine:
         if generating:
             for i, sampled in zip(generating, self.sampler(logits[generating], [sample_seqs[i] for i in generating])):
                 isolated(sample_seqs[i], self.output_processor.append_token, sample_seqs[i], sampled)
+                if sample_seqs[i].params.return_hidden_states:
+                    sample_seqs[i].pending_hidden_states.append(result.sample_hidden[i])
                 self.num_generated_tokens += 1
         touched: dict[str, list[Sequence]] = {}
         for seq in sample_seqs:
@@ -241,6 +275,11 @@ class LLMEngine:
         scored = score(torch.log_softmax(chunk.logits, dim=-1), targets, [seq.params.prompt_logprobs] * rows)
         seq.prompt_logprobs.extend(map(self.output_processor.token_logprob, scored))
 
+    @staticmethod
+    def _record_prompt_hidden_states(chunk: PromptHiddenStates) -> None:
+        if chunk.seq.num_prompt_hidden_states == chunk.start:  # else recorded already, before a preemption
+            chunk.seq.prompt_hidden_states.append(chunk.hidden)
+
     def _emit(self, request: Request, seqs: list[Sequence], outputs: list[RequestOutput]) -> None:
         choices = [delta for delta in map(self.output_processor.take_delta, seqs) if delta is not None]
         finished = request.finished
@@ -250,10 +289,15 @@ class LLMEngine:
             if first.params.prompt_logprobs is not None and not request.prompt_logprobs_sent \
                     and not first.needs_prompt_logprobs:
                 prompt_logprobs, request.prompt_logprobs_sent = first.prompt_logprobs, True
+            prompt_hidden_states = None
+            if first.params.return_prompt_hidden_states and not request.prompt_hidden_states_sent \
+                    and not first.needs_prompt_hidden_states:
+                prompt_hidden_states = torch.cat(first.prompt_hidden_states)
+                request.prompt_hidden_states_sent = True
             outputs.append(RequestOutput(
                 request.request_id, choices, len(request.prompt_token_ids),
                 min(seq.num_cached_tokens for seq in request.sequences), finished,
-                prompt_logprobs=prompt_logprobs))
+                prompt_logprobs=prompt_logprobs, prompt_hidden_states=prompt_hidden_states))
         if finished:
             del self.requests[request.request_id]
 
@@ -268,4 +312,5 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
             "preemptions": self.scheduler.num_preemptions,
+            "loaded_loras": [] if self.runner.lora_slots is None else self.runner.lora_slots.loaded_names(),
         }

@@ -10,6 +10,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.attention import AttentionMetadata, PrefillChunk
+from backend.engine.lora import LoraSlotPool
 from backend.engine.scheduler import ScheduledSequence
 from backend.engine.sequence import Sequence
 from backend.models.llama import LlamaForCausalLM
@@ -21,6 +22,23 @@ class PromptLogits:
     seq: Sequence
     start: int  # prompt position of the first row
     logits: torch.Tensor  # [positions, vocab]: row i predicts the token at start + i + 1
+
+
+@dataclass
+class PromptHiddenStates:
+    seq: Sequence
+    start: int  # prompt position of the first row
+    hidden: torch.Tensor  # [positions, hidden] after the final norm, float32 on the CPU
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [samples, vocab] float32: the last-token logits of the sequences that sample
+    sample_seqs: list[Sequence]
+    prompt_logits: list[PromptLogits]
+    # [samples, hidden] float32 on the CPU, the rows the logits came from; None when no sampling sequence asks
+    sample_hidden: torch.Tensor | None
+    prompt_hidden: list[PromptHiddenStates]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +79,8 @@ class ModelRunner:
         ]
         log.info("model on %s (%s); KV cache: %d blocks of %d tokens (%.0f MiB)", self.device, self.dtype,
                  self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
+        self.lora_slots = (LoraSlotPool(arch, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+                           if config.lora_dir else None)
 
     def _block_tables(self, block_tables: list[list[int]], context_len: int) -> torch.Tensor:
         """[sequences, blocks covering context_len], padded with block 0 (masked out by the caller)."""
@@ -68,25 +88,31 @@ class ModelRunner:
         rows = [table[:width] + [0] * (width - len(table[:width])) for table in block_tables]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence], list[PromptLogits]]:
-        """Run one step. Returns last-token logits [samples, vocab] (float32), the sequences they belong to,
-        and the logits of every position of prompt chunks whose prompt logprobs were asked for."""
+    def execute(self, scheduled: list[ScheduledSequence]) -> StepOutput:
+        """Run one step: logits (and, when asked for, final hidden states) of the positions that sample, and of
+        every position of prompt chunks whose prompt logprobs (hidden states) were asked for."""
         # one-token queries first (batched attention), then prefill chunks (attention per chunk)
         ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
+        lora_slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_chunks: list[tuple[Sequence, int, int, int]] = []  # (sequence, first row, first position, rows)
+        hidden_chunks: list[tuple[Sequence, int, int, int]] = []  # the same, for prompt hidden states
         for item in ordered:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             scored = min(end, seq.num_prompt_tokens - 1) - start  # positions that predict a prompt token
             if seq.needs_prompt_logprobs and scored > 0:
                 prompt_chunks.append((seq, len(input_ids), start, scored))
+            in_prompt = min(end, seq.num_prompt_tokens) - start  # prompt positions of this chunk
+            if seq.needs_prompt_hidden_states and in_prompt > 0:
+                hidden_chunks.append((seq, len(input_ids), start, in_prompt))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
+            lora_slots.extend([seq.lora_slot] * item.num_new_tokens)
             table, size = seq.block_table, self.block_size
             slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
             if item.samples:
@@ -113,11 +139,18 @@ class ModelRunner:
             decode_context_lens=decode_context_lens,
             prefills=prefills,
         )
+        lora = None
+        if any(slot >= 0 for slot in lora_slots):  # base-only batches skip the LoRA matmuls entirely
+            lora = self.lora_slots.for_layers(torch.tensor(lora_slots, dtype=torch.int32, device=self.device))
         hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta, self.kv_caches)
+                            torch.tensor(positions, device=self.device), meta, self.kv_caches, lora)
         prompt_logits = [PromptLogits(seq, start, self.model.compute_logits(hidden[row:row + rows]))
                          for seq, row, start, rows in prompt_chunks]
+        prompt_hidden = [PromptHiddenStates(seq, start, self.model.final_norm(hidden[row:row + rows]).float().cpu())
+                         for seq, row, start, rows in hidden_chunks]
         if not sample_rows:
-            return torch.empty(0, self.model.arch.vocab_size), [], prompt_logits
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return logits, sample_seqs, prompt_logits
+            return StepOutput(torch.empty(0, self.model.arch.vocab_size), [], prompt_logits, None, prompt_hidden)
+        normed = self.model.final_norm(hidden[torch.tensor(sample_rows, device=self.device)])
+        wants_hidden = any(seq.params.return_hidden_states for seq in sample_seqs)
+        return StepOutput(self.model.logits_of_normed(normed), sample_seqs, prompt_logits,
+                          normed.float().cpu() if wants_hidden else None, prompt_hidden)

@@ -52,6 +52,12 @@ def _as_string_list(name: str, value: Any) -> list[str]:
     return [v for v in value if v]
 
 
+def _as_optional_string(name: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value or None
+    raise InvalidRequest(f"{name} must be a string", param=name)
+
+
 def _as_logit_bias(name: str, value: Any) -> dict[int, float]:
     if value is None:
         return {}
@@ -67,15 +73,9 @@ def _as_logit_bias(name: str, value: Any) -> dict[int, float]:
     return bias
 
 
-def _as_string(name: str, value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise InvalidRequest(f"{name} must be a string", param=name)
-
-
 def _as_json_schema(name: str, value: Any) -> str | None:
     """A JSON schema as SGLang sends it (a JSON string), or as an object."""
-    return json.dumps(value) if isinstance(value, dict) else _as_string(name, value)
+    return json.dumps(value) if isinstance(value, dict) else _as_optional_string(name, value)
 
 
 def _as_int_list(name: str, value: Any) -> list[int]:
@@ -114,6 +114,10 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    lora_path: str | None = None  # a LoRA adapter: its name or a path inside the adapters directory
+    return_hidden_states: bool = False  # each generated token's final hidden state (after the last norm)
+    return_prompt_hidden_states: bool = False  # also each prompt token's (for echo)
+    return_routed_experts: bool = False  # MoE routing per token: refused, the engine runs dense models only
 
     @property
     def greedy(self) -> bool:
@@ -177,8 +181,12 @@ class SamplingParams:
             "stop_regex": _as_string_list,
             "stop_token_ids": _as_int_list,
             "json_schema": _as_json_schema,
-            "regex": _as_string,
-            "ebnf": _as_string,
+            "regex": _as_optional_string,
+            "ebnf": _as_optional_string,
+            "lora_path": _as_optional_string,
+            "return_hidden_states": _as_bool,
+            "return_prompt_hidden_states": _as_bool,
+            "return_routed_experts": _as_bool,
         }
         unknown = sorted(set(values) - set(casts))
         if unknown:
@@ -216,8 +224,6 @@ class SamplingParams:
         if len(constraints) > 1:
             raise InvalidRequest(f"only one constraint per request: got {' and '.join(constraints)}",
                                  param=constraints[1])
-        if constraints and not getattr(self, constraints[0]).strip():
-            raise InvalidRequest(f"{constraints[0]} must not be empty", param=constraints[0])
         for pattern in self.stop_regex:
             try:
                 regex.compile(pattern)

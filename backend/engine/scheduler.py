@@ -4,7 +4,9 @@ Every step has a token budget. Running sequences go first (a decode needs one to
 takes the next chunk), then waiting sequences are admitted FCFS while budget, sequence slots and KV blocks
 last. A long prompt is therefore split into chunks and never stalls running decodes for more than one chunk.
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later
-(its generated tokens are kept, and the prefix cache usually makes the recompute cheap)."""
+(its generated tokens are kept, and the prefix cache usually makes the recompute cheap).
+A sequence with a LoRA adapter is admitted only once its adapter holds a slot of the LoRA pool; until a slot
+frees up it waits (FCFS: the requests behind it wait too)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from backend.engine.block_manager import BlockManager
+from backend.engine.lora import LoraSlotPool
 from backend.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -30,8 +33,10 @@ class ScheduledSequence:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 lora_slots: LoraSlotPool | None = None):
         self.block_manager = block_manager
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -71,6 +76,8 @@ class Scheduler:
         # Admitting new work right after a preemption would just thrash.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if not self._hold_lora_slot(seq):
+                break
             if not seq.block_table:
                 cached = self.block_manager.allocate_cached_prefix(seq)
                 seq.num_computed_tokens = cached
@@ -78,7 +85,8 @@ class Scheduler:
                     seq.num_cached_tokens = cached
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
-                self.block_manager.free(seq)  # don't pin cached blocks while waiting
+                self.block_manager.free(seq)  # don't pin cached blocks (or an adapter slot) while waiting
+                self._release_lora_slot(seq)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -92,6 +100,7 @@ class Scheduler:
                  seq.request.request_id, seq.num_tokens)
         self.num_preemptions += 1
         self.block_manager.free(seq)
+        self._release_lora_slot(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -103,3 +112,19 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._release_lora_slot(seq)
+
+    def _hold_lora_slot(self, seq: Sequence) -> bool:
+        """Give the sequence its adapter's slot (loading it if needed); False when no slot can be had now."""
+        if seq.request.lora is None or seq.lora_slot >= 0:
+            return True
+        slot = self.lora_slots.acquire(seq.request.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_lora_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1

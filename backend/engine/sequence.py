@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 import torch
 
+from backend.engine.lora import LoraAdapter
 from backend.engine.sampling_params import SamplingParams
 
 
@@ -44,6 +45,9 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.pending_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] = []  # filled during prefill when requested
+        self.pending_hidden_states: list[torch.Tensor] = []  # [hidden] rows of tokens not yet sent
+        self.prompt_hidden_states: list[torch.Tensor] = []  # [rows, hidden] chunks, filled during prefill
+        self.lora_slot = -1  # the adapter's slot in the LoRA pool while running; −1 = none (or not admitted)
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None  # the stop string / token id that ended it
         # incremental detokenizer offsets (into token_ids)
@@ -75,6 +79,20 @@ class Sequence:
         """Prompt logprobs were asked for and not all computed: its prompt must not come from the cache."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
+    @property
+    def num_prompt_hidden_states(self) -> int:
+        return sum(chunk.shape[0] for chunk in self.prompt_hidden_states)
+
+    @property
+    def needs_prompt_hidden_states(self) -> bool:
+        """Like needs_prompt_logprobs, for the prompt's hidden states."""
+        return self.params.return_prompt_hidden_states and self.num_prompt_hidden_states < self.num_prompt_tokens
+
+    @property
+    def prefix_cache_salt(self) -> str | None:
+        """KV computed under one adapter is not valid for another (or the base model): the cache keys differ."""
+        return None if self.request.lora is None else self.request.lora.name
+
 
 @dataclass
 class ChoiceDelta:
@@ -87,6 +105,7 @@ class ChoiceDelta:
     num_output_tokens: int
     finish_reason: str | None
     matched_stop: str | int | None = None
+    hidden_states: list[torch.Tensor] = field(default_factory=list)  # [hidden] per new token, when asked for
 
 
 @dataclass
@@ -98,6 +117,7 @@ class RequestOutput:
     finished: bool
     error: Exception | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # sent once, when the prompt has been processed
+    prompt_hidden_states: torch.Tensor | None = None  # [prompt tokens, hidden], sent once likewise
 
 
 @dataclass
@@ -109,6 +129,8 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     max_tokens: int = 0  # params.max_tokens resolved against the context length
     prompt_logprobs_sent: bool = False
+    prompt_hidden_states_sent: bool = False
+    lora: LoraAdapter | None = None  # resolved from params.lora_path when the request is added
 
     @property
     def finished(self) -> bool:

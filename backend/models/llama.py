@@ -17,6 +17,7 @@ from torch import nn
 
 import kernels
 from backend.engine.attention import AttentionMetadata, paged_attention
+from backend.engine.lora import LayerLora
 
 
 @dataclass
@@ -125,15 +126,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False)
         self.scale = arch.head_dim ** -0.5
 
-    def forward(self, positions, hidden, meta, k_cache, v_cache, rotary: RotaryEmbedding):
+    def forward(self, positions, hidden, meta, k_cache, v_cache, rotary: RotaryEmbedding, lora: LayerLora | None):
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q, k, v = _project(self.qkv_proj, "qkv_proj", hidden, lora).split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         rotary(positions, q, k)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        return _project(self.o_proj, "o_proj", out.reshape(tokens, -1), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -142,8 +143,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+        activated = kernels.silu_and_mul(_project(self.gate_up_proj, "gate_up_proj", x, lora))
+        return _project(self.down_proj, "down_proj", activated, lora)
+
+
+def _project(linear: nn.Linear, name: str, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+    """linear(x), plus each token's LoRA update when the batch uses adapters."""
+    out = linear(x)
+    return out if lora is None else out + lora.delta(name, x)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -154,16 +162,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
 
-    def forward(self, positions, hidden, residual, meta, k_cache, v_cache, rotary):
+    def forward(self, positions, hidden, residual, meta, k_cache, v_cache, rotary, lora):
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
         Carrying the two apart lets each residual add fuse into the norm that follows it."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, k_cache, v_cache, rotary)
+        hidden = self.self_attn(positions, hidden, meta, k_cache, v_cache, rotary, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -179,17 +187,30 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions: [tokens] → final hidden states [tokens, hidden] (before the last norm)."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                lora: list[LayerLora] | None = None) -> torch.Tensor:
+        """input_ids, positions: [tokens] → final hidden states [tokens, hidden] (before the last norm).
+        lora: per layer, the adapters of the batch's tokens (None: no token uses one)."""
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, meta, k_cache, v_cache, self.rotary)
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            hidden, residual = layer(positions, hidden, residual, meta, k_cache, v_cache, self.rotary,
+                                     None if lora is None else lora[index])
         return residual + hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits_of_normed(self.final_norm(hidden))
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """forward()'s output → the hidden states the LM head reads (what return_hidden_states returns)."""
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def logits_of_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head over hidden states after the final norm."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        return F.linear(normed, weight).float()
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":

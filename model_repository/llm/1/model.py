@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
 from backend.engine.engine_loop import EngineLoop
-from backend.errors import InvalidRequest, Overloaded
+from backend.errors import InvalidRequest, NotFound, Overloaded
 from backend.triton_io import INPUT_NAMES, ResponseBuilder, parse_request
 from backend.triton_metrics import EngineMetrics, LatencyTracker
 
@@ -91,6 +91,7 @@ class TritonPythonModel:
                 latency.on_output(self.metrics)
             if output.error is not None:
                 code = (pb_utils.TritonError.INVALID_ARG if isinstance(output.error, InvalidRequest)
+                        else pb_utils.TritonError.NOT_FOUND if isinstance(output.error, NotFound)
                         else pb_utils.TritonError.INTERNAL)
                 self._fail(sender, str(output.error), code)
             elif output.finished and any(c.finish_reason == "abort" for c in output.choices):

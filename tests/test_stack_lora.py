@@ -1,0 +1,122 @@
+"""LoRA adapters, hidden states and routed experts through the whole stack (OpenAI SDK → adapter → Triton)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from lora_helpers import merged_model
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> OpenAI:
+    return OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _text(client, model, **extra) -> str:
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                           extra_body=extra or None)
+    return completion.choices[0].text
+
+
+def test_adapter_by_model_name_or_lora_path_differs_from_base(client, stack):
+    base = _text(client, stack.model_name)
+    alpha = _text(client, f"{stack.model_name}:alpha")
+    assert alpha != base
+    assert _text(client, stack.model_name, lora_path="alpha") == alpha
+    # max_loras is 1: beta evicts alpha, and alpha loads again, with the same result
+    assert _text(client, f"{stack.model_name}:beta") not in (alpha, base)
+    assert _text(client, f"{stack.model_name}:alpha") == alpha
+    chat = client.chat.completions.create(model=f"{stack.model_name}:alpha", max_completion_tokens=4,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.model == f"{stack.model_name}:alpha" and chat.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("fields, param", [({"model_suffix": ":nope"}, "model"), ({"lora_path": "nope"}, "lora_path")])
+def test_unknown_adapter_is_404(client, stack, fields, param):
+    model = stack.model_name + fields.pop("model_suffix", "")
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body=fields or None)
+    error = raised.value.body
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", param, "invalid_request_error")
+    assert "nope" in error["message"]
+
+
+def test_adapter_path_outside_the_directory_is_400(client, stack):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=1,
+                                  extra_body={"lora_path": str(stack.lora_dir.parent)})
+    assert raised.value.body["param"] == "lora_path"
+    assert "not inside the adapters directory" in raised.value.body["message"]
+
+
+def test_models_lists_adapters_and_which_is_loaded(client, stack):
+    _text(client, f"{stack.model_name}:beta")  # with one slot, beta is now the loaded adapter
+    deadline = time.monotonic() + 10
+    while True:  # the engine publishes its metrics every half second
+        cards = {card.id: card.model_extra for card in client.models.list().data}
+        if cards.get(f"{stack.model_name}:beta", {}).get("loaded") or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert list(cards) == [stack.model_name, f"{stack.model_name}:alpha", f"{stack.model_name}:beta"]
+    assert cards[f"{stack.model_name}:beta"] == {"parent": stack.model_name, "loaded": True}
+    assert cards[f"{stack.model_name}:alpha"] == {"parent": stack.model_name, "loaded": False}
+    assert cards[stack.model_name] == {}
+
+
+def test_hidden_states_match_transformers_after_the_final_norm(client, stack, default_model_dir):
+    completion = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=4, temperature=0,
+                                           echo=True, extra_body={"return_hidden_states": True, "ignore_eos": True})
+    choice, usage = completion.choices[0], completion.usage
+    rows = torch.tensor(choice.model_extra["hidden_states"])
+    # one row per prompt token (echo), then one per generated token
+    assert rows.shape == (usage.prompt_tokens + usage.completion_tokens, 576) == (usage.prompt_tokens + 4, 576)
+    model = merged_model(default_model_dir, None)
+    token_ids = AutoTokenizer.from_pretrained(default_model_dir).encode(PROMPT)
+    with torch.no_grad():
+        for _ in range(4):  # greedy, as the server ran
+            token_ids.append(int(model(torch.tensor([token_ids])).logits[0, -1].argmax()))
+        expected = model.model(torch.tensor([token_ids])).last_hidden_state[0]
+    prompt_tokens = usage.prompt_tokens
+    torch.testing.assert_close(rows[:prompt_tokens], expected[:prompt_tokens], atol=1e-3, rtol=1e-3)
+    # a generated token's row is the one its logits came from: the position before it
+    torch.testing.assert_close(rows[prompt_tokens:], expected[prompt_tokens - 1:-1], atol=1e-3, rtol=1e-3)
+
+
+def test_hidden_states_stream_per_chunk_and_in_chat(client, stack):
+    stream = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=5, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"return_hidden_states": True, "ignore_eos": True})
+    chunks = list(stream)
+    rows = [row for chunk in chunks for choice in chunk.choices for row in choice.model_extra["hidden_states"]]
+    assert len(rows) == chunks[-1].usage.completion_tokens == 5 and all(len(row) == 576 for row in rows)
+    chat = client.chat.completions.create(model=stack.model_name, max_completion_tokens=3,
+                                          messages=[{"role": "user", "content": "Hi"}],
+                                          extra_body={"return_hidden_states": True})
+    assert len(chat.choices[0].model_extra["hidden_states"]) == chat.usage.completion_tokens
+    plain = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=2)
+    assert "hidden_states" not in plain.choices[0].model_extra
+
+
+def test_hidden_states_beyond_the_server_bound_are_400(stack):
+    response = httpx.post(f"{stack.base_url}/completions", timeout=30, json={
+        "model": stack.model_name, "prompt": PROMPT, "max_tokens": 2100, "n": 2, "return_hidden_states": True})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "return_hidden_states" and "max_hidden_states_tokens" in error["message"]
+
+
+def test_routed_experts_on_the_dense_model_is_400(stack):
+    response = httpx.post(f"{stack.base_url}/completions", timeout=30, json={
+        "model": stack.model_name, "prompt": PROMPT, "max_tokens": 1, "return_routed_experts": True})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "return_routed_experts" and "no experts" in error["message"]
