@@ -48,3 +48,14 @@ def test_adapter_service_wiring():
     assert "9000:9000" in adapter["ports"]
     command = " ".join(adapter["command"])
     assert "--triton-url triton:8001" in command and "--port 9000" in command
+
+
+def test_lora_dir_reaches_the_engine_and_the_adapter():
+    """LORA_DIR mounts the same adapters directory into both services: the engine loads from it (TRITONLLM_LORA_DIR,
+    read by `tritonllm write-repository`), the adapter lists it and reads which are loaded from Triton's metrics."""
+    services = _services()
+    for service in services.values():
+        assert any(re.match(r"\$\{LORA_DIR[:}].*:/adapters", volume) for volume in service["volumes"])
+    assert services["triton"]["environment"]["TRITONLLM_LORA_DIR"] == "${LORA_DIR:+/adapters}"
+    command = " ".join(services["adapter"]["command"])
+    assert "${LORA_DIR:+--lora-dir /adapters}" in command and "--triton-metrics-url http://triton:8002/metrics" in command
