@@ -95,6 +95,8 @@ def server_env(tritonserver: Path) -> dict[str, str]:
         library_dirs.append(str(_install_root(tritonserver).parent.parent / "nvidia_pytriton.libs"))
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [*library_dirs, env.get("LD_LIBRARY_PATH")]))
     env.setdefault("HF_HUB_OFFLINE", "1")  # the engine loads local files only
+    # The stub's embedded Python would otherwise take the C locale's ASCII for file names and files.
+    env.setdefault("PYTHONUTF8", "1")
     return env
 
 

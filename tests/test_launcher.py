@@ -138,6 +138,7 @@ def test_server_env_runs_stubs_on_this_interpreter():
     library_dirs = env["LD_LIBRARY_PATH"].split(os.pathsep)
     assert library_dirs[0] == sysconfig.get_config_var("LIBDIR")
     assert any(Path(directory).name == "nvidia_pytriton.libs" for directory in library_dirs)
+    assert env["PYTHONUTF8"] == "1"
 
 
 # --- model resolution ---------------------------------------------------------------------------------------------

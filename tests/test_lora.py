@@ -100,9 +100,11 @@ def test_paths_outside_the_adapters_directory_are_refused(engine, adapters_dir, 
     assert error.value.param == "lora_path"
 
 
-def test_unknown_adapter_is_not_found(engine):
-    with pytest.raises(NotFound, match="no LoRA adapter 'nope'") as error:
-        engine.add_request(Request("unknown-adapter", PROMPT, SamplingParams(lora_path="nope")))
+@pytest.mark.parametrize("lora_path", ["nope", "bad\x00name", "caf\u00e9\udcb6"])
+def test_unknown_adapter_is_not_found(engine, lora_path):
+    """Names no file can have (a NUL, a lone surrogate) are simply not found, never an internal error."""
+    with pytest.raises(NotFound, match="no LoRA adapter") as error:
+        engine.add_request(Request(f"unknown-adapter-{len(lora_path)}", PROMPT, SamplingParams(lora_path=lora_path)))
     assert str(error.value).startswith("[not_found:lora_path]")
 
 

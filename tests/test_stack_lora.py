@@ -40,7 +40,9 @@ def test_adapter_by_model_name_or_lora_path_differs_from_base(client, stack):
     assert chat.model == f"{stack.model_name}:alpha" and chat.choices[0].finish_reason
 
 
-@pytest.mark.parametrize("fields, param", [({"model_suffix": ":nope"}, "model"), ({"lora_path": "nope"}, "lora_path")])
+@pytest.mark.parametrize("fields, param", [({"model_suffix": ":nope"}, "model"), ({"lora_path": "nope"}, "lora_path"),
+                                           ({"lora_path": "nope-\u00e9t\u00e9"}, "lora_path"),
+                                           ({"lora_path": "nope\u0000"}, "lora_path")])
 def test_unknown_adapter_is_404(client, stack, fields, param):
     model = stack.model_name + fields.pop("model_suffix", "")
     with pytest.raises(openai.NotFoundError) as raised:

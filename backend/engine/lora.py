@@ -70,10 +70,15 @@ class AdapterDirectory:
     def resolve(self, lora_path: str) -> str:
         """An adapter name or a path inside the directory → the adapter's name. Symlinks and `..` are followed
         first, so nothing outside the directory is reachable."""
-        candidate = (self.root / lora_path).resolve()
-        if self.root not in candidate.parents:
+        try:
+            candidate = (self.root / lora_path).resolve()
+            inside = self.root in candidate.parents
+            exists = inside and (candidate / CONFIG_FILE).is_file()
+        except (OSError, ValueError):  # NUL bytes, or characters the file system encoding lacks: no such file
+            inside, exists = True, False
+        if not inside:
             raise InvalidRequest(f"lora_path {lora_path!r} is not inside the adapters directory", "lora_path")
-        if not (candidate / CONFIG_FILE).is_file():
+        if not exists:
             raise NotFound(f"there is no LoRA adapter {lora_path!r} (available: {', '.join(self.available())})",
                            "lora_path")
         return candidate.relative_to(self.root).as_posix()
