@@ -132,7 +132,7 @@ class LLMEngine:
 
     def _check_extensions(self, request: Request) -> None:
         params = request.params
-        if params.return_routed_experts:
+        if params.return_routed_experts and not self.runner.model.arch.is_moe:
             raise InvalidRequest(f"the model {self.model_dir.name} has no experts (dense Llama): "
                                  "return_routed_experts needs a mixture-of-experts model", "return_routed_experts")
         if params.return_hidden_states or params.return_prompt_hidden_states:
@@ -240,6 +240,8 @@ class LLMEngine:
                 isolated(sample_seqs[i], self.output_processor.append_token, sample_seqs[i], sampled)
                 if sample_seqs[i].params.return_hidden_states:
                     sample_seqs[i].pending_hidden_states.append(result.sample_hidden[i])
+                if sample_seqs[i].params.return_routed_experts:
+                    sample_seqs[i].pending_routed_experts.append(result.sample_routed_experts[i])
                 self.num_generated_tokens += 1
         touched: dict[str, list[Sequence]] = {}
         for seq in sample_seqs:

@@ -39,6 +39,9 @@ class StepOutput:
     # [samples, hidden] float32 on the CPU, the rows the logits came from; None when no sampling sequence asks
     sample_hidden: torch.Tensor | None
     prompt_hidden: list[PromptHiddenStates]
+    # [samples, MoE layers, top_k] int64 on the CPU: the experts the sampled rows were routed to; None when no
+    # sampling sequence asks (or the model is dense)
+    sample_routed_experts: torch.Tensor | None = None
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,6 +82,9 @@ class ModelRunner:
         ]
         log.info("model on %s (%s); KV cache: %d blocks of %d tokens (%.0f MiB)", self.device, self.dtype,
                  self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
+        if config.lora_dir and arch.is_moe:
+            raise ValueError("LoRA adapters are supported on dense models only; this model has experts "
+                             "(leave lora_dir empty)")
         self.lora_slots = (LoraSlotPool(arch, config.max_loras, config.max_lora_rank, self.dtype, self.device)
                            if config.lora_dir else None)
 
@@ -142,15 +148,19 @@ class ModelRunner:
         lora = None
         if any(slot >= 0 for slot in lora_slots):  # base-only batches skip the LoRA matmuls entirely
             lora = self.lora_slots.for_layers(torch.tensor(lora_slots, dtype=torch.int32, device=self.device))
+        # routing is recorded only when a sequence that samples this step asks for it (engine: MoE models only)
+        routed = [] if any(seq.params.return_routed_experts for seq in sample_seqs) else None
         hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta, self.kv_caches, lora)
+                            torch.tensor(positions, device=self.device), meta, self.kv_caches, lora, routed)
         prompt_logits = [PromptLogits(seq, start, self.model.compute_logits(hidden[row:row + rows]))
                          for seq, row, start, rows in prompt_chunks]
         prompt_hidden = [PromptHiddenStates(seq, start, self.model.final_norm(hidden[row:row + rows]).float().cpu())
                          for seq, row, start, rows in hidden_chunks]
         if not sample_rows:
             return StepOutput(torch.empty(0, self.model.arch.vocab_size), [], prompt_logits, None, prompt_hidden)
-        normed = self.model.final_norm(hidden[torch.tensor(sample_rows, device=self.device)])
+        rows = torch.tensor(sample_rows, device=self.device)
+        normed = self.model.final_norm(hidden[rows])
         wants_hidden = any(seq.params.return_hidden_states for seq in sample_seqs)
         return StepOutput(self.model.logits_of_normed(normed), sample_seqs, prompt_logits,
-                          normed.float().cpu() if wants_hidden else None, prompt_hidden)
+                          normed.float().cpu() if wants_hidden else None, prompt_hidden,
+                          None if routed is None else torch.stack(routed, dim=1)[rows].cpu())

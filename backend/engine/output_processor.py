@@ -101,15 +101,17 @@ class OutputProcessor:
             len(text) - held_back_length(text, params.stop, params.stop_patterns, seq.num_sent_chars)
         end = max(end, seq.num_sent_chars)
         new_text = text[seq.num_sent_chars:end]
-        if not new_text and not seq.pending_logprobs and not seq.pending_hidden_states and not seq.is_finished:
+        if not new_text and not seq.pending_logprobs and not seq.pending_hidden_states \
+                and not seq.pending_routed_experts and not seq.is_finished:
             return None
         seq.num_sent_chars = end
         logprobs, seq.pending_logprobs = seq.pending_logprobs, []
         hidden_states, seq.pending_hidden_states = seq.pending_hidden_states, []
+        routed_experts, seq.pending_routed_experts = seq.pending_routed_experts, []
         return ChoiceDelta(
             index=seq.index, text=new_text, logprobs=logprobs,
             cumulative_logprob=seq.cumulative_logprob, num_output_tokens=seq.num_output_tokens,
             finish_reason=seq.finish_reason if seq.status is SequenceStatus.FINISHED else None,
             matched_stop=seq.matched_stop if seq.status is SequenceStatus.FINISHED else None,
-            hidden_states=hidden_states,
+            hidden_states=hidden_states, routed_experts=routed_experts,
         )

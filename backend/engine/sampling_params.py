@@ -117,7 +117,7 @@ class SamplingParams:
     lora_path: str | None = None  # a LoRA adapter: its name or a path inside the adapters directory
     return_hidden_states: bool = False  # each generated token's final hidden state (after the last norm)
     return_prompt_hidden_states: bool = False  # also each prompt token's (for echo)
-    return_routed_experts: bool = False  # MoE routing per token: refused, the engine runs dense models only
+    return_routed_experts: bool = False  # MoE models: each generated token's chosen experts per layer
 
     @property
     def greedy(self) -> bool:

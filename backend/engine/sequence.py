@@ -47,6 +47,7 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob] = []  # filled during prefill when requested
         self.pending_hidden_states: list[torch.Tensor] = []  # [hidden] rows of tokens not yet sent
         self.prompt_hidden_states: list[torch.Tensor] = []  # [rows, hidden] chunks, filled during prefill
+        self.pending_routed_experts: list[torch.Tensor] = []  # [MoE layers, top_k] expert ids of tokens not yet sent
         self.lora_slot = -1  # the adapter's slot in the LoRA pool while running; −1 = none (or not admitted)
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None  # the stop string / token id that ended it
@@ -106,6 +107,7 @@ class ChoiceDelta:
     finish_reason: str | None
     matched_stop: str | int | None = None
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # [hidden] per new token, when asked for
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [MoE layers, top_k] per new token, likewise
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Llama-family forward pass over a flat batch of tokens with a paged KV cache.
 
 RMSNorm, rotary embeddings (default, linear and llama3 rope scaling), grouped-query attention, SwiGLU MLP,
-optionally tied embeddings. Projections are fused (qkv, gate_up) at load time: fewer, larger matmuls."""
+optionally tied embeddings. Projections are fused (qkv, gate_up) at load time: fewer, larger matmuls.
+Mixtral is the same model with a sparse mixture-of-experts MLP (models/moe.py) in every layer."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 import kernels
 from backend.engine.attention import AttentionMetadata, paged_attention
 from backend.engine.lora import LayerLora
+from backend.models.moe import SparseMoeMLP, expert_weights
 
 
 @dataclass
@@ -36,13 +38,20 @@ class LlamaArchitecture:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
+    num_experts: int = 0  # Mixtral: experts per layer (0: a dense model)
+    num_experts_per_tok: int = 0  # Mixtral: experts each token is routed to
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_config_file(cls, path: Path) -> "LlamaArchitecture":
         config = json.loads(Path(path).read_text())
         model_type = config.get("model_type", "llama")
-        if model_type != "llama":
-            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs Llama-family models")
+        if model_type not in ("llama", "mixtral"):
+            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs Llama-family models "
+                             "and Mixtral")
         # transformers 5 writes rope settings as `rope_parameters`; older checkpoints use rope_theta/rope_scaling
         rope = dict(config.get("rope_parameters") or {})
         rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
@@ -50,6 +59,9 @@ class LlamaArchitecture:
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         heads = config["num_attention_heads"]
+        max_positions = config.get("max_position_embeddings", 2048)
+        # Attention here has no sliding window; up to the window's length full attention is the same thing.
+        max_positions = min(max_positions, config.get("sliding_window") or max_positions)
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -59,12 +71,14 @@ class LlamaArchitecture:
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=config.get("attention_bias", False),
             mlp_bias=config.get("mlp_bias", False),
+            num_experts=config.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+            num_experts_per_tok=config.get("num_experts_per_tok", 0) if model_type == "mixtral" else 0,
         )
 
 
@@ -160,18 +174,25 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = (SparseMoeMLP(arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok)
+                    if arch.is_moe else LlamaMLP(arch))
 
-    def forward(self, positions, hidden, residual, meta, k_cache, v_cache, rotary, lora):
+    def forward(self, positions, hidden, residual, meta, k_cache, v_cache, rotary, lora, routed_experts):
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
-        Carrying the two apart lets each residual add fuse into the norm that follows it."""
+        Carrying the two apart lets each residual add fuse into the norm that follows it. A MoE layer appends
+        its tokens' chosen expert ids to routed_experts when that is a list."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta, k_cache, v_cache, rotary, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, lora), residual
+        if not isinstance(self.mlp, SparseMoeMLP):
+            return self.mlp(hidden, lora), residual
+        hidden, expert_ids = self.mlp(hidden)  # LoRA is for dense models only (ModelRunner refuses it here)
+        if routed_experts is not None:
+            routed_experts.append(expert_ids)
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,13 +209,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                lora: list[LayerLora] | None = None) -> torch.Tensor:
+                lora: list[LayerLora] | None = None,
+                routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [tokens] → final hidden states [tokens, hidden] (before the last norm).
-        lora: per layer, the adapters of the batch's tokens (None: no token uses one)."""
+        lora: per layer, the adapters of the batch's tokens (None: no token uses one).
+        routed_experts: a list to receive, per MoE layer in order, the expert ids each token was routed to
+        ([tokens, top_k]); None: not recorded."""
         hidden, residual = self.embed_tokens(input_ids), None
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(positions, hidden, residual, meta, k_cache, v_cache, self.rotary,
-                                     None if lora is None else lora[index])
+                                     None if lora is None else lora[index], routed_experts)
         return residual + hidden
 
     @torch.inference_mode()
@@ -238,12 +262,16 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: LlamaArchitecture) -> dict[str, torch.Tensor]:
-    """Rename HF Llama checkpoint tensors to this module's names, concatenating q/k/v and gate/up."""
+    """Rename HF Llama (Mixtral) checkpoint tensors to this module's names, concatenating q/k/v and gate/up
+    (stacking the experts)."""
+    def key_of(name: str) -> str | None:
+        return next((key for key in (name, f"model.{name}") if key in weights), None)
+
     def take(name: str) -> torch.Tensor:
-        for key in (name, f"model.{name}"):
-            if key in weights:
-                return weights[key].float()
-        raise KeyError(f"checkpoint has no tensor {name!r}")
+        key = key_of(name)
+        if key is None:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return weights[key].float()
 
     state = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
     if not arch.tie_word_embeddings:
@@ -256,6 +284,10 @@ def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: LlamaArchitecture) 
             state[f"{p}.self_attn.qkv_proj.{suffix}"] = torch.cat(
                 [take(f"{p}.self_attn.{n}_proj.{suffix}") for n in "qkv"])
         state[f"{p}.self_attn.o_proj.weight"] = take(f"{p}.self_attn.o_proj.weight")
+        if arch.is_moe:
+            state.update({f"{p}.mlp.{name}": tensor for name, tensor in
+                          expert_weights(take, lambda name: key_of(name) is not None, p, arch.num_experts).items()})
+            continue
         for suffix in (("weight", "bias") if arch.mlp_bias else ("weight",)):
             state[f"{p}.mlp.gate_up_proj.{suffix}"] = torch.cat(
                 [take(f"{p}.mlp.gate_proj.{suffix}"), take(f"{p}.mlp.up_proj.{suffix}")])
