@@ -121,6 +121,7 @@ class ResponseBuilder:
         self.prompt_logprobs: list | None = None
         self.hidden_states: list[list] = [[] for _ in range(count)]
         self.prompt_hidden_states: list | None = None
+        self.routed_experts: list[list] = [[] for _ in range(count)]
         if not request.stream and not request.exclude_input_in_output and isinstance(request.prompt, str):
             self.texts = [request.prompt] * count
 
@@ -131,6 +132,7 @@ class ResponseBuilder:
             self.finish_reasons, self.matched_stops = [""] * count, [None] * count
             self.prompt_logprobs, self.prompt_hidden_states = None, None
             self.hidden_states = [[] for _ in range(count)]
+            self.routed_experts = [[] for _ in range(count)]
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = [_logprob_entry(lp) for lp in output.prompt_logprobs]
         if output.prompt_hidden_states is not None:
@@ -140,6 +142,7 @@ class ResponseBuilder:
             self.texts[i] += delta.text
             self.logprobs[i].extend(map(_logprob_entry, delta.logprobs))
             self.hidden_states[i].extend(row.tolist() for row in delta.hidden_states)
+            self.routed_experts[i].extend(experts.tolist() for experts in delta.routed_experts)
             self.cumulative_logprobs[i] = delta.cumulative_logprob
             self.num_output_tokens[i] = delta.num_output_tokens
             self.finish_reasons[i] = delta.finish_reason or ""
@@ -173,6 +176,8 @@ class ResponseBuilder:
             tensors["prompt_logprobs"] = np.array([json.dumps(self.prompt_logprobs).encode()], dtype=np.object_)
         if self.request.params.return_hidden_states:
             tensors["hidden_states"] = strings([json.dumps(rows) for rows in self.hidden_states])
+        if self.request.params.return_routed_experts:
+            tensors["routed_experts"] = strings([json.dumps(rows) for rows in self.routed_experts])
         if self.prompt_hidden_states is not None:
             tensors["prompt_hidden_states"] = np.array([json.dumps(self.prompt_hidden_states).encode()],
                                                        dtype=np.object_)

@@ -77,7 +77,7 @@ def sampling_parameters(request: GenerationRequest) -> dict:
 class _ChoiceState:
     """One choice of the completion, built up from the responses of its Triton request."""
 
-    def __init__(self, index: int, with_logprobs: bool, with_hidden_states: bool) -> None:
+    def __init__(self, index: int, with_logprobs: bool, with_hidden_states: bool, with_routed_experts: bool) -> None:
         self.index = index
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None
@@ -87,6 +87,7 @@ class _ChoiceState:
         self._logprobs = LogprobsAccumulator() if with_logprobs else None
         self._hidden_states: list[list[float]] | None = [] if with_hidden_states else None
         self._unsent_prompt_hidden_states: list[list[float]] = []
+        self._routed_experts: list[list[list[int]]] | None = [] if with_routed_experts else None
 
     def echo(self, echo: Echo) -> None:
         """Put the prompt before the choice's text; it goes out with the next output."""
@@ -109,16 +110,21 @@ class _ChoiceState:
             hidden_states = self._unsent_prompt_hidden_states + output.hidden_states
             self._unsent_prompt_hidden_states = []
             self._hidden_states.extend(hidden_states)
+        routed_experts = None
+        if self._routed_experts is not None:
+            routed_experts = output.routed_experts
+            self._routed_experts.extend(routed_experts)
         self._text_parts.append(text)
         self.finish_reason = output.finish_reason
         self.matched_stop = output.matched_stop
         if output.num_output_tokens is not None:
             self.num_output_tokens = output.num_output_tokens
         logprobs = self._logprobs.add(entries) if self._logprobs else None
-        if not text and not entries and not hidden_states and self.finish_reason is None:
+        if not text and not entries and not hidden_states and not routed_experts and self.finish_reason is None:
             return None
         return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
-                                matched_stop=self.matched_stop, hidden_states=hidden_states)
+                                matched_stop=self.matched_stop, hidden_states=hidden_states,
+                                routed_experts=routed_experts)
 
     def whole(self) -> CompletionChoice:
         return CompletionChoice(
@@ -128,6 +134,7 @@ class _ChoiceState:
             finish_reason=self.finish_reason,
             matched_stop=self.matched_stop,
             hidden_states=self._hidden_states,
+            routed_experts=self._routed_experts,
         )
 
 
@@ -146,7 +153,8 @@ class CompletionAssembler:
         self._prompts = request.prompts()
         self._choices = [
             _ChoiceState(index=index, with_logprobs=self._with_logprobs,
-                         with_hidden_states=request.return_hidden_states)
+                         with_hidden_states=request.return_hidden_states,
+                         with_routed_experts=request.return_routed_experts)
             for index in range(len(self._prompts) * request.n)
         ]
         # Prompts whose echo is built from the prompt logprobs of their first response carrying them.
@@ -160,6 +168,7 @@ class CompletionAssembler:
         self._prompt_tokens = [0] * len(self._prompts)
         self._cached_tokens = [0] * len(self._prompts)
         self._with_cache_details = request.return_cached_tokens_details
+        self._with_routed_experts = request.return_routed_experts
 
     def add(self, prompt_index: int, chunk: TritonChunk) -> list[CompletionChoice]:
         """Record a response to the request of prompt `prompt_index`; returns the choices with news."""
@@ -205,9 +214,16 @@ class CompletionAssembler:
         )
 
     def chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        sglext = None
+        cached = None
         if usage is not None and self._with_cache_details:
-            sglext = SglExt(cached_tokens_details=CachedTokensDetails(device=sum(self._cached_tokens)))
+            cached = CachedTokensDetails(device=sum(self._cached_tokens))
+        routed = None
+        if self._with_routed_experts and choices:
+            routed = [[] for _ in self._choices]  # by choice index; a choice this chunk does not carry: none
+            for choice in choices:
+                routed[choice.index] = choice.routed_experts
+        sglext = None if cached is None and routed is None else SglExt(cached_tokens_details=cached,
+                                                                        routed_experts=routed)
         return CompletionResponse(id=self.id, created=self._created, model=self._model, choices=choices,
                                   usage=usage, sglext=sglext)
 

@@ -180,7 +180,8 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
     """SGLang extension: each choice gets `hidden_states`, the final hidden state (after the last norm) of each
     generated token, and of each prompt token first with echo."""
     return_routed_experts: bool = False
-    """SGLang extension for mixture-of-experts models; the engine refuses it for dense models."""
+    """SGLang extension for mixture-of-experts models: the response's `sglext.routed_experts` lists, per choice,
+    the experts each generated token was routed to in every MoE layer; the engine refuses it for dense models."""
 
     @model_validator(mode="before")
     @classmethod
@@ -412,6 +413,9 @@ class CompletionChoice(_WithHiddenStates):
     matched_stop: str | int | None = None
     """SGLang extension: the stop string (or text a stop_regex matched) or the stop token id (EOS included)
     that ended the choice; null while it runs or when it ended otherwise (e.g. by length)."""
+    routed_experts: list[list[list[int]]] | None = Field(None, exclude=True)
+    """The choice's [MoE layers][top_k] expert ids per token, when requested: the response carries them in
+    `sglext.routed_experts`, not in the choice."""
 
 
 class PromptTokensDetails(BaseModel):
@@ -435,7 +439,16 @@ class CachedTokensDetails(BaseModel):
 
 
 class SglExt(BaseModel):
-    cached_tokens_details: CachedTokensDetails
+    """SGLang's extension object beside the standard fields; holds only what the request asked for."""
+
+    cached_tokens_details: CachedTokensDetails | None = None
+    routed_experts: list[list[list[list[int]]]] | None = None
+    """Indexed by choice index: one [MoE layers][top_k] list of expert ids per token the response carries
+    (a streamed chunk: its new tokens; an empty list for a choice it has none of)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler) -> dict:
+        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class _ResponseBase(BaseModel):

@@ -69,6 +69,8 @@ class ChoiceOutput:
     """The stop string (or stop_regex match) or stop token id that finished the choice; None until then."""
     hidden_states: list[list[float]] = field(default_factory=list)
     """Final hidden states of the new tokens; empty unless return_hidden_states was requested."""
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    """[MoE layers][top_k] expert ids of each new token; empty unless return_routed_experts was requested."""
 
 
 @dataclass(frozen=True)
@@ -194,11 +196,12 @@ def _parse_response(result: InferResult) -> TritonChunk:
     prompt_logprobs = _strings(result, "prompt_logprobs")
     hidden_states = [json.loads(rows) for rows in _strings(result, "hidden_states")] or [[]] * count
     prompt_hidden_states = _strings(result, "prompt_hidden_states")
+    routed_experts = [json.loads(rows) for rows in _strings(result, "routed_experts")] or [[]] * count
     return TritonChunk(
         choices=[
-            ChoiceOutput(text, finish_reason or None, entries, tokens, matched_stop, hidden)
-            for text, finish_reason, entries, tokens, matched_stop, hidden in zip(
-                texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states
+            ChoiceOutput(text, finish_reason or None, entries, tokens, matched_stop, hidden, routed)
+            for text, finish_reason, entries, tokens, matched_stop, hidden, routed in zip(
+                texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states, routed_experts
             )
         ],
         num_input_tokens=num_input_tokens[0] if num_input_tokens else None,

@@ -395,3 +395,40 @@ async def test_error_after_the_first_chunk_becomes_an_error_event_then_done():
     }
     assert payloads[2] == "[DONE]"
     assert DONE_EVENT == "data: [DONE]\n\n"
+
+
+def _routed(text: str, finish: str | None, tokens: int, *routing: list) -> ChoiceOutput:
+    """A choice output whose new tokens were routed as `routing` ([layers][top_k] per token)."""
+    return ChoiceOutput(text, finish, [], tokens, None, routed_experts=list(routing))
+
+
+async def test_routed_experts_go_in_sglext_per_choice_index_and_only_when_asked():
+    a0, a1, b0 = [[0, 1], [2, 3]], [[1, 0], [3, 2]], [[2, 0], [1, 3]]
+    responses = [TritonChunk([_routed(" a", None, 1, a0), _routed(" b", None, 1, b0)], 2, 0, None),
+                 TritonChunk([_routed("!", "stop", 2, a1), _routed("", "length", 1)], 2, 0, None)]
+    service = CompletionService(ScriptedTriton({"Hi": responses}), MODEL)
+    response = await service.complete(_request(n=2, return_routed_experts=True))
+    body = json.loads(response.model_dump_json())
+    assert body["sglext"] == {"routed_experts": [[a0, a1], [b0]]}
+    assert all("routed_experts" not in choice for choice in body["choices"])
+
+    chunks = await _collect(service.stream(_request(n=2, stream=True, return_routed_experts=True,
+                                                    stream_options={"include_usage": True})))
+    assert [json.loads(chunk.model_dump_json()).get("sglext") for chunk in chunks] == [
+        {"routed_experts": [[a0], [b0]]},
+        {"routed_experts": [[a1], []]},  # choice 1 ends without a new token
+        None,  # the usage chunk has no choices
+    ]
+    plain = await CompletionService(ScriptedTriton({"Hi": responses}), MODEL).complete(_request(n=2))
+    assert "sglext" not in json.loads(plain.model_dump_json())
+    assert sampling_parameters(_request(return_routed_experts=True))["return_routed_experts"] is True
+
+
+def test_triton_response_parsing_reads_routed_experts():
+    class Result:
+        def as_numpy(self, name):
+            outputs = {"text_output": [b" a", b" b"], "routed_experts": [b"[[[0, 1]]]", b"[]"]}
+            return np.array(outputs[name], dtype=np.object_) if name in outputs else None
+
+    chunk = _parse_response(Result())
+    assert [choice.routed_experts for choice in chunk.choices] == [[[[0, 1]]], []]

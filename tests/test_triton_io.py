@@ -5,6 +5,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from backend.engine.sequence import ChoiceDelta, RequestOutput
 from backend.errors import InvalidRequest
@@ -88,3 +89,22 @@ def test_parse_messages_keeps_role_and_content_only():
 def test_parse_refuses_bad_messages(values, message):
     with pytest.raises(InvalidRequest, match=re.escape(message)):
         parse_request(values)
+
+
+def test_routed_experts_stream_per_choice_and_accumulate_without_streaming():
+    def routed(index, *rows):
+        return ChoiceDelta(index, "t", [], 0.0, len(rows), None, routed_experts=[torch.tensor(r) for r in rows])
+
+    streaming = ResponseBuilder(parse_request(inputs({"n": 2, "return_routed_experts": True}, stream=True)))
+    first = streaming.on_output(RequestOutput("r", [routed(0, [[1, 2], [3, 0]]), routed(1, [[0, 1], [2, 3]])],
+                                              1, 0, False))
+    second = streaming.on_output(RequestOutput("r", [routed(1, [[3, 2], [1, 0]])], 1, 0, True))
+    assert [json.loads(v) for v in first["routed_experts"]] == [[[[1, 2], [3, 0]]], [[[0, 1], [2, 3]]]]
+    assert [json.loads(v) for v in second["routed_experts"]] == [[], [[[3, 2], [1, 0]]]]
+
+    whole = ResponseBuilder(parse_request(inputs({"return_routed_experts": True})))
+    assert whole.on_output(RequestOutput("r", [routed(0, [[1, 2]])], 1, 0, False)) is None
+    final = whole.on_output(RequestOutput("r", [routed(0, [[0, 3]])], 1, 0, True))
+    assert json.loads(final["routed_experts"][0]) == [[[1, 2]], [[0, 3]]]
+    plain = ResponseBuilder(parse_request(inputs({})))
+    assert "routed_experts" not in plain.on_output(RequestOutput("r", [delta(0, "a", "stop")], 1, 0, True))
