@@ -1,24 +1,105 @@
 """Shared by the tests (a module, not conftest.py: tests/kernels has a conftest of its own, so `conftest` is
-ambiguous as a module name): ports, the test stack's limits, its engine state read from the metrics, and
-tritonclient calls of the Triton model."""
+ambiguous as a module name): starting a `tritonllm serve` stack, ports, the test stack's limits, its engine
+state read from the metrics, and tritonclient calls of the Triton model."""
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
+import signal
 import socket
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 
+from backend.model_files import served_model_name
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+STACK_START_TIMEOUT_S = 180
 STACK_MAX_NUM_SEQS = 8  # small limits so the overload test reaches them with few clients
 STACK_MAX_QUEUE_LEN = 8
 STACK_LORA_ADAPTERS = ("alpha", "beta")  # served with --max-loras 1: using both evicts one
+
+
+@dataclass(frozen=True)
+class Stack:
+    base_url: str  # OpenAI API root, e.g. http://127.0.0.1:PORT/v1
+    grpc_url: str  # tritonserver gRPC as tritonclient.grpc wants it: 127.0.0.1:PORT
+    http_url: str  # tritonserver HTTP as tritonclient.http wants it: 127.0.0.1:PORT
+    metrics_url: str  # Prometheus endpoint: http://127.0.0.1:PORT/metrics
+    model_name: str  # the served model name for the `model` field
+    state_dir: Path  # runtime repository, tritonserver.log and serve.log
+    lora_dir: Path | None  # the LoRA adapters directory it serves, if any
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        with open(path, errors="replace") as file:
+            return "".join(deque(file, maxlen=lines))
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _answers_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@contextmanager
+def running_stack(model_dir: Path, state_dir: Path, *options: str, lora_dir: Path | None = None) -> Iterator[Stack]:
+    """`tritonllm serve --model model_dir options...` on free ports, until the block exits (then SIGTERM)."""
+    adapter_port, http_port, grpc_port, metrics_port = free_ports(4)
+    command = [
+        sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir), *options,
+        "--port", str(adapter_port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+        "--metrics-port", str(metrics_port), "--state-dir", str(state_dir),
+    ]
+    serve_log = state_dir / "serve.log"
+    with open(serve_log, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    adapter = f"http://127.0.0.1:{adapter_port}"
+    try:
+        deadline = time.monotonic() + STACK_START_TIMEOUT_S
+        while not _answers_ok(adapter + "/health"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                problem = f"exited with {process.returncode}" if process.poll() is not None else "timed out"
+                pytest.fail(f"tritonllm serve {problem}; serve.log tail:\n{_tail(serve_log)}\n"
+                            f"tritonserver.log tail:\n{_tail(state_dir / 'tritonserver.log')}")
+            time.sleep(0.5)
+        yield Stack(
+            base_url=adapter + "/v1",
+            grpc_url=f"127.0.0.1:{grpc_port}",
+            http_url=f"127.0.0.1:{http_port}",
+            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+            model_name=served_model_name(model_dir),
+            state_dir=state_dir,
+            lora_dir=lora_dir,
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def free_ports(count: int) -> list[int]:
