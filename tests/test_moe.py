@@ -1,12 +1,12 @@
-"""Mixture-of-experts models in the engine (no Triton): a tiny random Mixtral against transformers — logits,
-greedy tokens, and the experts each generated token was routed to (return_routed_experts)."""
+"""Mixture-of-experts models in the engine (no Triton): tiny random Mixtral and Qwen3-MoE models against
+transformers — logits, greedy tokens, and the experts each generated token was routed to (return_routed_experts)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import MixtralForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from backend.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
@@ -14,26 +14,31 @@ from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Request
 from backend.models.llama import LlamaForCausalLM
 from engine_helpers import generate
-from moe_helpers import tiny_mixtral_config, write_tiny_mixtral
+from moe_helpers import num_moe_layers, tiny_moe_config, write_tiny_moe
 
 PROMPTS = ["The capital of France is", "Write a short story about a lighthouse keeper and a storm. " * 3]
-TOP_K = tiny_mixtral_config().num_experts_per_tok
+TOP_K = tiny_moe_config("mixtral").num_experts_per_tok
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def model_type(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def mixtral_dir(tmp_path_factory, default_model_dir):
-    return write_tiny_mixtral(tmp_path_factory.mktemp("mixtral") / "tiny-mixtral", default_model_dir)
+def moe_dir(tmp_path_factory, default_model_dir, model_type):
+    return write_tiny_moe(tmp_path_factory.mktemp(model_type) / f"tiny-{model_type}", default_model_dir, model_type)
 
 
 @pytest.fixture(scope="module")
-def reference(mixtral_dir) -> MixtralForCausalLM:
-    return MixtralForCausalLM.from_pretrained(mixtral_dir, dtype=torch.float32).eval()
+def reference(moe_dir) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def engine(mixtral_dir) -> LLMEngine:
+def engine(moe_dir) -> LLMEngine:
     # block_size 4 and a 16-token budget: prompts span several blocks and prefill in chunks
-    return LLMEngine(EngineConfig(model_path=str(mixtral_dir), dtype="float32", kv_cache_memory=4 << 20,
+    return LLMEngine(EngineConfig(model_path=str(moe_dir), dtype="float32", kv_cache_memory=4 << 20,
                                   block_size=4, max_num_batched_tokens=16))
 
 
@@ -50,14 +55,14 @@ def test_logits_match_transformers(engine, reference):
     assert (ours - expected).abs().max().item() < 1e-4
 
 
-def _router_top_k(reference: MixtralForCausalLM, token_ids: list[int]) -> torch.Tensor:
-    """[positions, layers, top_k]: transformers' router choice at every position, most likely first."""
+def _router_top_k(reference: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
+    """[positions, MoE layers, top_k]: transformers' router choice at every position, most likely first."""
     with torch.no_grad():
         out = reference(torch.tensor([token_ids]), output_router_logits=True)
     return torch.stack([logits.topk(TOP_K, dim=-1).indices for logits in out.router_logits], dim=1)
 
 
-def test_greedy_tokens_and_routed_experts_match_transformers(engine, reference):
+def test_greedy_tokens_and_routed_experts_match_transformers(engine, reference, model_type):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, return_routed_experts=True)
     results = generate(engine, PROMPTS, params)  # batched: one decodes while the other still prefills
     reference.generation_config.eos_token_id = None  # like ignore_eos
@@ -68,7 +73,7 @@ def test_greedy_tokens_and_routed_experts_match_transformers(engine, reference):
             expected = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)[0]
         assert seq.token_ids == expected.tolist()
         routed = [row for output in result.outputs for choice in output.choices for row in choice.routed_experts]
-        assert len(routed) == 8 and all(row.shape == (2, TOP_K) for row in routed)
+        assert len(routed) == 8 and all(row.shape == (num_moe_layers(model_type), TOP_K) for row in routed)
         # the generated token j came from the logits at position prompt_len - 1 + j
         expected_routing = _router_top_k(reference, seq.token_ids)[seq.num_prompt_tokens - 1:-1]
         assert torch.equal(torch.stack(routed), expected_routing)
@@ -83,14 +88,15 @@ def test_routing_is_returned_only_to_the_sequences_that_ask(engine):
     assert with_routing.token_ids() == without.token_ids()
 
 
-def test_fused_expert_layout_loads_like_the_hub_layout(mixtral_dir, tmp_path):
+def test_fused_expert_layout_loads_like_the_hub_layout(tmp_path_factory, default_model_dir, tmp_path):
     """transformers 5 keeps experts as 3-D gate_up_proj / down_proj tensors in memory; checkpoints in that
-    layout load to the same weights as the per-expert w1/w2/w3 one save_pretrained writes."""
+    layout load to the same weights as the per-expert w1/w2/w3 one save_pretrained writes for Mixtral."""
+    mixtral_dir = write_tiny_moe(tmp_path_factory.mktemp("hub") / "tiny-mixtral", default_model_dir)
     hub = load_file(mixtral_dir / "model.safetensors")
     fused = {key: tensor for key, tensor in hub.items() if ".block_sparse_moe." not in key}
-    for layer in range(tiny_mixtral_config().num_hidden_layers):
+    for layer in range(tiny_moe_config("mixtral").num_hidden_layers):
         moe, mlp = f"model.layers.{layer}.block_sparse_moe", f"model.layers.{layer}.mlp"
-        experts = range(tiny_mixtral_config().num_local_experts)
+        experts = range(tiny_moe_config("mixtral").num_local_experts)
         fused[f"{mlp}.gate.weight"] = hub[f"{moe}.gate.weight"]
         fused[f"{mlp}.experts.gate_up_proj"] = torch.stack(
             [torch.cat([hub[f"{moe}.experts.{e}.w1.weight"], hub[f"{moe}.experts.{e}.w3.weight"]]) for e in experts])

@@ -8,17 +8,17 @@ import torch
 from openai import OpenAI
 from transformers import AutoTokenizer, MixtralForCausalLM
 
-from moe_helpers import tiny_mixtral_config, write_tiny_mixtral
+from moe_helpers import tiny_moe_config, write_tiny_moe
 from stack_helpers import running_stack
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 5
-LAYERS, TOP_K = tiny_mixtral_config().num_hidden_layers, tiny_mixtral_config().num_experts_per_tok
+LAYERS, TOP_K = tiny_moe_config("mixtral").num_hidden_layers, tiny_moe_config("mixtral").num_experts_per_tok
 
 
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory, default_model_dir):
-    return write_tiny_mixtral(tmp_path_factory.mktemp("mixtral") / "tiny-mixtral", default_model_dir)
+    return write_tiny_moe(tmp_path_factory.mktemp("mixtral") / "tiny-mixtral", default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 RMSNorm, rotary embeddings (default, linear and llama3 rope scaling), grouped-query attention, SwiGLU MLP,
 optionally tied embeddings. Projections are fused (qkv, gate_up) at load time: fewer, larger matmuls.
-Mixtral is the same model with a sparse mixture-of-experts MLP (models/moe.py) in every layer."""
+Mixtral is the same model with a sparse mixture-of-experts MLP (models/moe.py) in every layer; Qwen3-MoE adds an
+RMSNorm over each query and key head and may keep some layers dense."""
 
 from __future__ import annotations
 
@@ -38,20 +39,24 @@ class LlamaArchitecture:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
-    num_experts: int = 0  # Mixtral: experts per layer (0: a dense model)
-    num_experts_per_tok: int = 0  # Mixtral: experts each token is routed to
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before the rotation
+    moe_layers: frozenset[int] = frozenset()  # layers whose MLP is a mixture of experts (none: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's
+    norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum to one (Mixtral always does)
 
     @property
     def is_moe(self) -> bool:
-        return self.num_experts > 0
+        return bool(self.moe_layers)
 
     @classmethod
     def from_config_file(cls, path: Path) -> "LlamaArchitecture":
         config = json.loads(Path(path).read_text())
         model_type = config.get("model_type", "llama")
-        if model_type not in ("llama", "mixtral"):
-            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs Llama-family models "
-                             "and Mixtral")
+        if model_type not in ("llama", "mixtral", "qwen3_moe"):
+            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs Llama-family models, "
+                             "Mixtral and Qwen3-MoE")
         # transformers 5 writes rope settings as `rope_parameters`; older checkpoints use rope_theta/rope_scaling
         rope = dict(config.get("rope_parameters") or {})
         rope_theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
@@ -61,7 +66,8 @@ class LlamaArchitecture:
         heads = config["num_attention_heads"]
         max_positions = config.get("max_position_embeddings", 2048)
         # Attention here has no sliding window; up to the window's length full attention is the same thing.
-        max_positions = min(max_positions, config.get("sliding_window") or max_positions)
+        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        max_positions = min(max_positions, window or max_positions)
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -77,9 +83,24 @@ class LlamaArchitecture:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=config.get("attention_bias", False),
             mlp_bias=config.get("mlp_bias", False),
-            num_experts=config.get("num_local_experts", 0) if model_type == "mixtral" else 0,
-            num_experts_per_tok=config.get("num_experts_per_tok", 0) if model_type == "mixtral" else 0,
+            qk_norm=model_type == "qwen3_moe",
+            **({} if model_type == "llama" else _moe_fields(config, model_type)),
         )
+
+
+def _moe_fields(config: dict, model_type: str) -> dict:
+    """LlamaArchitecture's mixture-of-experts fields from a Mixtral or Qwen3-MoE config."""
+    num_experts = config.get("num_local_experts") or config.get("num_experts")  # Mixtral / Qwen3-MoE hub name
+    layers = range(config["num_hidden_layers"])
+    if model_type == "qwen3_moe":
+        dense = set(config.get("mlp_only_layers") or [])
+        step = config.get("decoder_sparse_step", 1)
+        moe_layers = frozenset(i for i in layers if i not in dense and (i + 1) % step == 0)
+    else:
+        moe_layers = frozenset(layers)
+    return {"moe_layers": moe_layers, "num_experts": num_experts, "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config.get("moe_intermediate_size") or config["intermediate_size"],
+            "norm_topk_prob": config.get("norm_topk_prob", True)}
 
 
 def rope_inverse_frequencies(arch: LlamaArchitecture) -> torch.Tensor:
@@ -139,6 +160,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False)
         self.scale = arch.head_dim ** -0.5
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(self, positions, hidden, meta, k_cache, v_cache, rotary: RotaryEmbedding, lora: LayerLora | None):
         tokens = hidden.shape[0]
@@ -146,6 +169,8 @@ class LlamaAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         rotary(positions, q, k)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return _project(self.o_proj, "o_proj", out.reshape(tokens, -1), lora)
@@ -169,13 +194,14 @@ def _project(linear: nn.Linear, name: str, x: torch.Tensor, lora: LayerLora | No
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArchitecture):
+    def __init__(self, arch: LlamaArchitecture, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = (SparseMoeMLP(arch.hidden_size, arch.intermediate_size, arch.num_experts, arch.num_experts_per_tok)
-                    if arch.is_moe else LlamaMLP(arch))
+        self.mlp = (SparseMoeMLP(arch.hidden_size, arch.moe_intermediate_size, arch.num_experts,
+                                 arch.num_experts_per_tok, arch.norm_topk_prob)
+                    if index in arch.moe_layers else LlamaMLP(arch))
 
     def forward(self, positions, hidden, residual, meta, k_cache, v_cache, rotary, lora, routed_experts):
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
@@ -201,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.rotary: RotaryEmbedding | None = None  # set by from_pretrained on the model's device
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
@@ -262,8 +288,8 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: LlamaArchitecture) -> dict[str, torch.Tensor]:
-    """Rename HF Llama (Mixtral) checkpoint tensors to this module's names, concatenating q/k/v and gate/up
-    (stacking the experts)."""
+    """Rename HF Llama (Mixtral, Qwen3-MoE) checkpoint tensors to this module's names, concatenating q/k/v and
+    gate/up (stacking the experts)."""
     def key_of(name: str) -> str | None:
         return next((key for key in (name, f"model.{name}") if key in weights), None)
 
@@ -284,7 +310,10 @@ def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: LlamaArchitecture) 
             state[f"{p}.self_attn.qkv_proj.{suffix}"] = torch.cat(
                 [take(f"{p}.self_attn.{n}_proj.{suffix}") for n in "qkv"])
         state[f"{p}.self_attn.o_proj.weight"] = take(f"{p}.self_attn.o_proj.weight")
-        if arch.is_moe:
+        if arch.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                state[f"{p}.self_attn.{norm}.weight"] = take(f"{p}.self_attn.{norm}.weight")
+        if i in arch.moe_layers:
             state.update({f"{p}.mlp.{name}": tensor for name, tensor in
                           expert_weights(take, lambda name: key_of(name) is not None, p, arch.num_experts).items()})
             continue
