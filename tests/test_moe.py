@@ -107,3 +107,8 @@ def test_fused_expert_layout_loads_like_the_hub_layout(tmp_path_factory, default
     from_fused = LlamaForCausalLM.from_pretrained(tmp_path, torch.float32, torch.device("cpu")).state_dict()
     assert from_hub.keys() == from_fused.keys()
     assert all(torch.equal(from_hub[name], from_fused[name]) for name in from_hub)
+
+
+def test_lora_on_a_moe_model_is_refused_at_start(moe_dir, tmp_path):
+    with pytest.raises(ValueError, match="dense models only"):
+        LLMEngine(EngineConfig(model_path=str(moe_dir), kv_cache_memory=4 << 20, lora_dir=str(tmp_path)))

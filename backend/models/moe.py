@@ -55,7 +55,7 @@ class SparseMoeMLP(nn.Module):
 
 def expert_weights(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], layer: str,
                    num_experts: int) -> dict[str, torch.Tensor]:
-    """One layer's router and stacked expert tensors, named as SparseMoeMLP's, from either checkpoint layout.
+    """One layer's router and stacked expert tensors, named as SparseMoeMLP's, from any of the checkpoint layouts.
     layer: the checkpoint prefix of the decoder layer, e.g. "layers.3"."""
     fused = f"{layer}.mlp.experts.gate_up_proj"
     if has(fused):
