@@ -24,8 +24,9 @@ from backend.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-# llguidance's grammar formats for our (SGLang's) parameter names. "grammar" takes Lark or GBNF syntax.
-_FORMATS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "grammar"}
+# llguidance's grammar formats for the text constraints (json_schema compiles with options of its own).
+# "grammar" takes Lark or GBNF syntax.
+_FORMATS = {"regex": "regex", "ebnf": "grammar"}
 # Compact JSON (", " and ": " separators, no free whitespace): a small model given free whitespace may spend its
 # token budget on blank lines.
 _JSON_OPTIONS = {"whitespace_flexible": False}
