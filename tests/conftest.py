@@ -1,10 +1,12 @@
-"""Session fixtures: the prepared default model, and a running `tritonllm serve` stack on free ports."""
+"""Session fixtures: the prepared default model, a running `tritonllm serve` stack on free ports, and the official
+openai SDK pointed at it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from backend.model_files import prepare_default_model
@@ -35,3 +37,15 @@ def stack(default_model_dir: Path, stack_lora_dir: Path, tmp_path_factory: pytes
                        "--max-num-seqs", str(STACK_MAX_NUM_SEQS), "--max-queue-len", str(STACK_MAX_QUEUE_LEN),
                        "--lora-dir", str(stack_lora_dir), "--max-loras", "1", lora_dir=stack_lora_dir) as started:
         yield started
+
+
+@pytest.fixture(scope="session")
+def client(stack: Stack) -> openai.OpenAI:
+    """The official SDK on the stack's OpenAI API."""
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def complete(stack: Stack, client: openai.OpenAI):
+    """client.completions.create with the served model filled in."""
+    return lambda **kwargs: client.completions.create(model=stack.model_name, **kwargs)

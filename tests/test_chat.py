@@ -4,7 +4,6 @@ the model's chat template."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -12,11 +11,6 @@ MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the capital of France?"},
 ]
-
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def test_chat_matches_greedy_completion_of_the_rendered_template(stack, client, default_model_dir):

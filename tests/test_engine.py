@@ -15,7 +15,7 @@ from backend.engine.llm_engine import LLMEngine
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Request
 from backend.errors import InvalidRequest
-from engine_helpers import generate
+from engine_helpers import assert_idle, generate
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 PROMPTS = [
@@ -32,12 +32,6 @@ PROMPTS = [
 def engine(default_model_dir) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=64 << 20,
                                   max_num_batched_tokens=48))
-
-
-def assert_idle(engine: LLMEngine) -> None:
-    stats = engine.stats()
-    assert stats["running"] == 0 and stats["waiting"] == 0 and not engine.requests
-    assert stats["free_blocks"] == stats["total_blocks"]
 
 
 def test_greedy_matches_transformers_generate(engine, default_model_dir):

@@ -54,19 +54,8 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def ref(default_model_dir) -> Reference:
     return Reference(default_model_dir)
-
-
-@pytest.fixture
-def complete(stack, client):
-    """client.completions.create with the served model filled in."""
-    return lambda **kwargs: client.completions.create(model=stack.model_name, **kwargs)
 
 
 def _offsets(tokens: list[str]) -> list[int]:

@@ -23,11 +23,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def hf_greedy(default_model_dir):
     """transformers' own greedy continuation of a prompt, as text."""
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()

@@ -8,17 +8,11 @@ import httpx
 import openai
 import pytest
 import torch
-from openai import OpenAI
 from transformers import AutoTokenizer
 
 from lora_helpers import merged_model
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def client(stack) -> OpenAI:
-    return OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _text(client, model, **extra) -> str:

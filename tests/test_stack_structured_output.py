@@ -82,16 +82,6 @@ number ::= [0-9]{1,3}
 """
 
 
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=180)
-
-
-@pytest.fixture
-def complete(stack, client):
-    return lambda **kwargs: client.completions.create(model=stack.model_name, **kwargs)
-
-
 def test_json_schemas_at_temperature_validate(stack):
     """Every completion of every schema, sampled at temperature 0.7 (two choices each, four requests at a time:
     the test stack's max_num_seqs), parses and validates."""

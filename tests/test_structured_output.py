@@ -18,7 +18,7 @@ from backend.engine.llm_engine import LLMEngine
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.sequence import Request
 from backend.errors import InvalidRequest
-from engine_helpers import generate
+from engine_helpers import assert_idle, generate
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 PROMPTS = ["The capital of France is", "My phone number is", "1, 2, 3, 4,", "Once upon a time"]
@@ -28,11 +28,6 @@ PROMPTS = ["The capital of France is", "My phone number is", "1, 2, 3, 4,", "Onc
 def engine(default_model_dir) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=64 << 20,
                                   max_num_batched_tokens=64))
-
-
-def assert_idle(engine: LLMEngine) -> None:
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.requests and not engine.compiling
 
 
 def test_regex_output_fullmatches_and_stops_when_complete(engine):
