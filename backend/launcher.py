@@ -3,7 +3,6 @@ repository (the repo's config.pbtxt with engine parameters filled in), start, wa
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import re
@@ -20,6 +19,8 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 from typing import Callable
+
+from backend.parent_death import die_with_parent
 
 MODEL_NAME = "llm"
 SOURCE_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
@@ -140,13 +141,6 @@ class TritonStartError(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if the launcher is killed outright, the kernel ends tritonserver too,
-    # instead of leaving it holding the ports.
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class TritonServer:
     """One tritonserver process serving `model_repository`; logs go to <state_dir>/tritonserver.log."""
 
@@ -205,7 +199,8 @@ class TritonServer:
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=server_env(self.tritonserver),
                 # Own process group: a terminal's Ctrl-C reaches only us, and we stop the server in order.
-                start_new_session=True, preexec_fn=_die_with_parent)
+                # If the launcher is killed outright, tritonserver stops too instead of holding the ports.
+                start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -52,13 +52,14 @@ class EngineMetrics:
                                                        kind=pb_utils.MetricFamily.HISTOGRAM))
             self.histograms[key] = self.families[-1].Metric(labels=labels, buckets=buckets)
 
-    def update(self, stats: dict) -> None:
+    def update(self, stats) -> None:
+        """Publish an EngineStats snapshot."""
         for key, metric in self.gauges.items():
-            metric.set(float(stats[key]))
+            metric.set(float(getattr(stats, key)))
         for key, metric in self.counters.items():
-            metric.increment(float(stats[key] - self.counted[key]))
-            self.counted[key] = stats[key]
-        loaded = set(stats["loaded_loras"])
+            metric.increment(float(getattr(stats, key) - self.counted[key]))
+            self.counted[key] = getattr(stats, key)
+        loaded = set(stats.loaded_loras)
         for name in loaded - set(self.lora_loaded):
             self.lora_loaded[name] = self.lora_family.Metric(labels={**self.labels, "adapter": name})
         for name, metric in self.lora_loaded.items():

@@ -62,30 +62,20 @@ def _answers_ok(url: str) -> bool:
         return False
 
 
-@contextmanager
-def running_stack(model_dir: Path, state_dir: Path, *options: str, lora_dir: Path | None = None) -> Iterator[Stack]:
-    """`tritonllm serve --model model_dir options...` on free ports, until the block exits (then SIGTERM)."""
-    adapter_port, http_port, grpc_port, metrics_port = free_ports(4)
-    command = [
-        sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir), *options,
-        "--port", str(adapter_port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-        "--metrics-port", str(metrics_port), "--state-dir", str(state_dir),
-    ]
-    serve_log = state_dir / "serve.log"
-    with open(serve_log, "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    adapter = f"http://127.0.0.1:{adapter_port}"
-    try:
-        deadline = time.monotonic() + STACK_START_TIMEOUT_S
-        while not _answers_ok(adapter + "/health"):
-            if process.poll() is not None or time.monotonic() > deadline:
-                problem = f"exited with {process.returncode}" if process.poll() is not None else "timed out"
-                pytest.fail(f"tritonllm serve {problem}; serve.log tail:\n{_tail(serve_log)}\n"
-                            f"tritonserver.log tail:\n{_tail(state_dir / 'tritonserver.log')}")
-            time.sleep(0.5)
-        yield Stack(
-            base_url=adapter + "/v1",
+class StackProcess:
+    """A `tritonllm serve` process on fixed ports that can be checked and restarted on the same ports, so a test
+    that kills tritonserver fails alone and the next test gets a fresh stack."""
+
+    def __init__(self, model_dir: Path, state_dir: Path, options: tuple[str, ...], lora_dir: Path | None):
+        adapter_port, http_port, grpc_port, metrics_port = free_ports(4)
+        self.state_dir = state_dir
+        self.command = [
+            sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir), *options,
+            "--port", str(adapter_port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+            "--metrics-port", str(metrics_port), "--state-dir", str(state_dir),
+        ]
+        self.stack = Stack(
+            base_url=f"http://127.0.0.1:{adapter_port}/v1",
             grpc_url=f"127.0.0.1:{grpc_port}",
             http_url=f"127.0.0.1:{http_port}",
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
@@ -93,13 +83,63 @@ def running_stack(model_dir: Path, state_dir: Path, *options: str, lora_dir: Pat
             state_dir=state_dir,
             lora_dir=lora_dir,
         )
-    finally:
-        process.send_signal(signal.SIGTERM)
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        serve_log = self.state_dir / "serve.log"
+        with open(serve_log, "ab") as log:
+            self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        deadline = time.monotonic() + STACK_START_TIMEOUT_S
+        health = self.stack.base_url.removesuffix("/v1") + "/health"
+        while not _answers_ok(health):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                problem = f"exited with {self.process.returncode}" if self.process.poll() is not None else "timed out"
+                self.stop()
+                pytest.fail(f"tritonllm serve {problem}; {self.logs()}")
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        """`tritonllm serve` runs and its tritonserver answers (serve exits soon after tritonserver dies)."""
+        return (self.process is not None and self.process.poll() is None
+                and _answers_ok(f"http://{self.stack.http_url}/v2/health/live"))
+
+    def logs(self) -> str:
+        return (f"serve.log tail:\n{_tail(self.state_dir / 'serve.log')}\n"
+                f"tritonserver.log tail:\n{_tail(self.state_dir / 'tritonserver.log')}")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.send_signal(signal.SIGTERM)
         try:
-            process.wait(60)
+            self.process.wait(60)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            self.process.kill()
+            self.process.wait()
+
+
+@contextmanager
+def running_stack(model_dir: Path, state_dir: Path, *options: str, lora_dir: Path | None = None
+                  ) -> Iterator[StackProcess]:
+    """`tritonllm serve --model model_dir options...` on free ports, until the block exits (then SIGTERM)."""
+    process = StackProcess(model_dir, state_dir, options, lora_dir)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def check_stack_survived(process: StackProcess) -> None:
+    """After a test: fail it with the logs when its stack died, and restart the stack for the next test."""
+    if process.alive():
+        return
+    time.sleep(1)  # let serve notice and write its last lines
+    logs = process.logs()
+    process.stop()
+    process.start()
+    pytest.fail(f"the stack died during this test (restarted for the next one); {logs}")
 
 
 def free_ports(count: int) -> list[int]:

@@ -130,7 +130,7 @@ def test_abort_frees_blocks_and_reports_abort(engine):
     engine.add_request(request)
     for _ in range(3):
         engine.step()
-    assert engine.stats()["running"] == 1
+    assert engine.stats().running == 1
     engine.abort_request("to-abort")
     outputs = engine.step()
     assert [c.finish_reason for o in outputs for c in o.choices] == ["abort"] and outputs[-1].finished
@@ -151,7 +151,7 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(engine, small_uncached_engi
     [second] = generate(engine, [shared + "What is 2+2?"], GREEDY)
     assert second.outputs[-1].num_cached_tokens >= 16 * ((first.outputs[-1].num_prompt_tokens - 1) // 16)
     assert second.token_ids() == first.token_ids() == uncached.token_ids()
-    assert engine.stats()["prefix_cache_hit_rate"] > 0
+    assert engine.stats().prefix_cache_hit_rate > 0
     assert_idle(engine)
 
 
@@ -159,7 +159,7 @@ def test_preemption_keeps_greedy_outputs(engine, small_uncached_engine):
     expected = [r.token_ids() for r in generate(engine, PROMPTS, GREEDY)]
     small = small_uncached_engine
     results = generate(small, PROMPTS, GREEDY)
-    assert small.stats()["preemptions"] > 0
+    assert small.stats().preemptions > 0
     assert [r.token_ids() for r in results] == expected
     assert_idle(small)
 
@@ -262,8 +262,8 @@ def test_a_request_failing_in_its_own_processing_fails_alone(engine, monkeypatch
 
 def test_engine_loop_shutdown_aborts_what_does_not_finish_in_time(engine):
     outputs = []
-    loop = EngineLoop(engine.config, engine=engine)
-    loop.submit("long", "Tell me a story.", SamplingParams(max_tokens=500, ignore_eos=True), outputs.append)
+    loop = EngineLoop(engine.config, outputs.append, engine=engine)
+    loop.submit("long", "Tell me a story.", SamplingParams(max_tokens=500, ignore_eos=True))
     while not outputs:
         time.sleep(0.01)
     loop.shutdown(timeout=0.2)

@@ -39,7 +39,7 @@ def _abort_all(engine: LLMEngine) -> None:
         engine.abort_request(request_id)
     engine.step()
     stats = engine.stats()
-    assert stats["running"] == stats["waiting"] == 0 and stats["free_blocks"] == stats["total_blocks"]
+    assert stats.running == stats.waiting == 0 and stats.free_blocks == stats.total_blocks
 
 
 def test_mixed_batch_logits_match_merged_references(engine, default_model_dir, adapters_dir):
@@ -71,7 +71,7 @@ def test_more_adapters_than_slots_wait_and_evict_least_recently_used(engine):
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora_path=name)
               for name in ("alpha", "beta", "team/gamma", None)]
     alone = [generate(engine, [PROMPT], p)[0].token_ids() for p in params]
-    assert engine.stats()["loaded_loras"] == ["beta", "team/gamma"]  # alpha, least recently used, went first
+    assert engine.stats().loaded_loras == ("beta", "team/gamma")  # alpha, least recently used, went first
     together = [r.token_ids() for r in generate(engine, [PROMPT] * 4, params)]  # 3 adapters, 2 slots: one waits
     assert together == alone
     assert alone[0] != alone[3] and alone[1] != alone[3]  # adapters alpha and beta change the greedy text

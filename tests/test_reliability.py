@@ -3,6 +3,7 @@ tritonserver crash and restart (the engine's process must not outlive the server
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -92,6 +93,13 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, "the backend stub outlived tritonserver"
+        time.sleep(0.1)
+
+
 def test_adapter_fails_fast_while_triton_is_down_and_recovers_without_restart(triton_and_adapter):
     server, root_url, model = triton_and_adapter
     _wait_for_status(f"{root_url}/health", 200, timeout=30)
@@ -99,12 +107,9 @@ def test_adapter_fails_fast_while_triton_is_down_and_recovers_without_restart(tr
 
     stubs = _children(server.process.pid)  # the Python backend stub running our engine
     assert stubs
-    server.process.kill()  # tritonserver dies hard; its stub must not outlive it
+    server.process.kill()  # tritonserver dies hard, idle; its stub must not outlive it
     server.process.wait()
-    deadline = time.monotonic() + 5
-    while any(Path(f"/proc/{pid}").exists() for pid in stubs):
-        assert time.monotonic() < deadline, "the backend stub outlived tritonserver"
-        time.sleep(0.1)
+    _wait_gone(stubs, timeout=5)
     assert _wait_for_status(f"{root_url}/health", 503, timeout=5) < 5
     started = time.monotonic()
     response = _completion(f"{root_url}/v1", model, timeout=10)
@@ -118,3 +123,45 @@ def test_adapter_fails_fast_while_triton_is_down_and_recovers_without_restart(tr
     assert _wait_for_status(f"{root_url}/health", 200, timeout=10) < 10
     response = _completion(f"{root_url}/v1", model)
     assert response.status_code == 200, response.text
+
+
+def test_the_engine_process_dies_with_tritonserver_killed_mid_generation(triton_and_adapter):
+    server, root_url, model = triton_and_adapter
+    _wait_for_status(f"{root_url}/health", 200, timeout=30)
+    stubs = _children(server.process.pid)
+    assert stubs
+
+    async def long_streams(started: asyncio.Event) -> list:
+        body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True,
+                "stream": True}
+
+        async def one(client: httpx.AsyncClient) -> str:
+            try:
+                async with client.stream("POST", f"{root_url}/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        started.set()
+                        return f"HTTP {response.status_code}: {(await response.aread())[:200]}"
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            started.set()
+                            if '"error"' in line:
+                                return "error event"
+                return "ended"
+            except httpx.HTTPError as error:
+                return type(error).__name__
+
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(one(client) for _ in range(4)))
+
+    async def kill_while_generating() -> list:
+        started = asyncio.Event()
+        streams = asyncio.create_task(long_streams(started))
+        await asyncio.wait_for(started.wait(), 60)
+        server.process.kill()  # mid-generation: the stub's threads are busy or blocked on the server
+        return await streams
+
+    outcomes = asyncio.run(kill_while_generating())
+    server.process.wait()
+    _wait_gone(stubs, timeout=5)
+    # each client sees an error (an error event, or a 503 before its first token); none sees a completed stream
+    assert all(outcome == "error event" or outcome.startswith("HTTP 503") for outcome in outcomes), outcomes

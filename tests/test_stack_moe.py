@@ -23,8 +23,8 @@ def mixtral_dir(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def moe_stack(mixtral_dir, tmp_path_factory):
-    with running_stack(mixtral_dir, tmp_path_factory.mktemp("moe-stack"), "--kv-cache-memory", "4MiB") as stack:
-        yield stack
+    with running_stack(mixtral_dir, tmp_path_factory.mktemp("moe-stack"), "--kv-cache-memory", "4MiB") as process:
+        yield process.stack
 
 
 @pytest.fixture(scope="module")

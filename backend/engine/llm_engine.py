@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -303,16 +304,33 @@ class LLMEngine:
         if finished:
             del self.requests[request.request_id]
 
-    def stats(self) -> dict:
+    def stats(self) -> "EngineStats":
         bm = self.block_manager
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + len(self.compiling),
-            "free_blocks": bm.num_free_blocks,
-            "total_blocks": bm.num_blocks,
-            "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generated_tokens": self.num_generated_tokens,
-            "preemptions": self.scheduler.num_preemptions,
-            "loaded_loras": [] if self.runner.lora_slots is None else self.runner.lora_slots.loaded_names(),
-        }
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + len(self.compiling),
+            free_blocks=bm.num_free_blocks,
+            total_blocks=bm.num_blocks,
+            prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            prompt_tokens=self.num_prompt_tokens,
+            generated_tokens=self.num_generated_tokens,
+            preemptions=self.scheduler.num_preemptions,
+            loaded_loras=() if self.runner.lora_slots is None else tuple(self.runner.lora_slots.loaded_names()),
+            unfinished_requests=len(self.requests) + len(self.ready_outputs),
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state, taken on its own thread; other threads read snapshots, never the engine."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # sequences waiting for admission or for their grammar
+    free_blocks: int
+    total_blocks: int
+    prefix_cache_hit_rate: float
+    prompt_tokens: int  # counters since start
+    generated_tokens: int
+    preemptions: int
+    loaded_loras: tuple[str, ...]
+    unfinished_requests: int
