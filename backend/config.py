@@ -1,10 +1,13 @@
-"""Engine configuration: one dataclass, filled from config.pbtxt parameters (strings) or keyword arguments."""
+"""Engine settings, declared once: `tritonllm serve` / `write-repository` options (with env vars and help), the
+`llm` model's config.pbtxt parameters and `EngineConfig` all come from these fields."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
+
+from backend.interface import settings
+from backend.interface.settings import setting
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -20,38 +23,29 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    model_path: str = ""  # HF directory or GGUF file; empty = the default model
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto = cuda when available
-    kv_cache_memory: int = 1 << 30  # bytes for the paged KV pool
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 64  # sequences in the running batch
-    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
-    max_queue_len: int = 256  # requests waiting for admission before new ones are refused
-    max_model_len: int = 0  # 0 = the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    lora_dir: str = ""  # directory of PEFT LoRA adapters (one per subdirectory); empty = LoRA disabled
-    max_loras: int = 4  # adapters resident at once (the slot pool); more wait for a slot
-    max_lora_rank: int = 16  # largest adapter rank accepted (sizes the slot pool)
-    max_hidden_states_tokens: int = 4096  # hidden-state rows one request may ask for (choices × tokens)
+    model_path: str = setting("", "HF model directory or .gguf file; empty for the default model", option="model")
+    dtype: str = setting("auto", "weights/activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    device: str = setting("auto", "cpu, cuda or auto (cuda when available)")
+    kv_cache_memory: int = setting(1 << 30, "bytes for the paged KV cache (e.g. 512MiB, 8GiB)", parse=parse_size)
+    block_size: int = setting(16, "tokens per KV cache block")
+    max_num_seqs: int = setting(64, "sequences in the running batch")
+    max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")
+    max_queue_len: int = setting(256, "waiting requests before new ones are refused")
+    max_model_len: int = setting(0, "longest prompt + output in tokens; 0: the model's max_position_embeddings")
+    enable_prefix_caching: bool = setting(True, "reuse the KV of cached prompt prefixes")
+    lora_dir: str = setting("", "directory of PEFT LoRA adapters, one per subdirectory (empty: LoRA off)")
+    max_loras: int = setting(4, "LoRA adapters resident at once; more wait for a slot")
+    max_lora_rank: int = setting(16, "largest LoRA rank accepted (sizes the slot pool)")
+    max_hidden_states_tokens: int = setting(
+        4096, "most hidden states one request may ask for (choices x (max_tokens + echoed prompt tokens))")
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
-        """Build from Triton model parameters; unknown keys are ignored, empty values keep the default."""
-        kwargs = {}
-        for field in dataclasses.fields(cls):
-            raw = values.get(field.name)
-            if raw is None or str(raw).strip() == "":
-                continue
-            raw = str(raw).strip()
-            if field.name == "kv_cache_memory":
-                kwargs[field.name] = parse_size(raw)
-            elif field.type in ("int", int):
-                kwargs[field.name] = int(raw)
-            elif field.type in ("bool", bool):
-                kwargs[field.name] = raw.lower() in ("1", "true", "yes", "on")
-            else:
-                kwargs[field.name] = raw
-        return cls(**kwargs)
+        """From the model's config.pbtxt parameters; absent or empty ones keep their default."""
+        return settings.from_strings(cls, values)
+
+    def to_strings(self) -> dict[str, str]:
+        """As config.pbtxt parameters."""
+        return settings.to_strings(self)

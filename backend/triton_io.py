@@ -10,18 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import RequestOutput, TokenLogprob
-from backend.errors import InvalidRequest
-
-RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs",
-                "return_num_input_tokens", "return_num_output_tokens", "return_num_cached_tokens",
-                "return_matched_stop")
-INPUT_NAMES = ("text_input", "input_ids", "messages", "stream", "sampling_parameters",
-               "exclude_input_in_output") + RETURN_FLAGS
-
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+from backend.interface.errors import InvalidRequest
+from backend.interface.parameters import SamplingParams
+from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS
+from backend.processing.outputs import RequestOutput, TokenLogprob
 
 
 @dataclass
@@ -92,8 +84,8 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
     params = SamplingParams.from_json(None if raw_params is None else _text(raw_params, "sampling_parameters"))
     flags = {name: bool(_scalar(inputs.get(name), name)) for name in ("stream", "exclude_input_in_output")
              + RETURN_FLAGS}
-    if flags["stream"] and params.num_sequences > params.n:
-        raise InvalidRequest("best_of > n cannot be streamed: the best choices are known only at the end")
+    if flags["stream"]:
+        params.check_streamable()
     return ParsedRequest(
         prompt=prompt, params=params, stream=flags["stream"],
         exclude_input_in_output=flags["exclude_input_in_output"],

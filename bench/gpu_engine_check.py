@@ -19,9 +19,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from backend.config import EngineConfig
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import Request
+from backend.llm_engine import LLMEngine
+from backend.interface.parameters import SamplingParams
+from backend.llm_engine import Request
 
 PROMPTS = ["The capital of France is", "def quicksort(items):", "Once upon a time, in a quiet village,"]
 
@@ -40,18 +40,18 @@ def random_checkpoint(config_dir: Path) -> Path:
 def engine_logits(engine: LLMEngine, prompt: str) -> torch.Tensor:
     """Logits of the first generated position, taken from the engine's own runner."""
     captured = {}
-    sampler = engine.sampler
+    sampler = engine.core.sampler
 
     def capture(logits, seqs):
         captured["logits"] = logits.float().cpu()
         return sampler(logits, seqs)
 
-    engine.sampler = capture
+    engine.core.sampler = capture
     request = Request(f"logits-{time.monotonic()}", prompt, SamplingParams(max_tokens=1, temperature=0))
     engine.add_request(request)
     while engine.has_work():
         engine.step()
-    engine.sampler = sampler
+    engine.core.sampler = sampler
     return captured["logits"][0]
 
 

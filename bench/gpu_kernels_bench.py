@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from backend.config import EngineConfig
-from backend.engine.llm_engine import LLMEngine
+from backend.llm_engine import LLMEngine
 from gpu_engine_check import decode_rate, random_checkpoint  # bench/ is the script's directory
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
 
 from backend.config import EngineConfig  # noqa: E402
-from backend.engine.llm_engine import LLMEngine  # noqa: E402
-from backend.engine.sampling_params import SamplingParams  # noqa: E402
-from backend.engine.sequence import Request  # noqa: E402
+from backend.llm_engine import LLMEngine  # noqa: E402
+from backend.interface.parameters import SamplingParams  # noqa: E402
+from backend.llm_engine import Request  # noqa: E402
 from backend.model_files import prepare_default_model  # noqa: E402
 from engine_helpers import generate  # noqa: E402
 from lora_helpers import merged_model, write_random_adapter  # noqa: E402
@@ -51,13 +51,13 @@ def main() -> None:
                                         max_loras=2, max_lora_rank=8))
         base = tokens_per_second(engine, args.batch, args.tokens, [None])
         lora = tokens_per_second(engine, args.batch, args.tokens, ["a", "b"])
-        print(f"batch {args.batch}, {args.tokens} tokens each, device {engine.runner.device}:")
+        print(f"batch {args.batch}, {args.tokens} tokens each, device {engine.core.runner.device}:")
         print(f"  base model      {base:8.1f} tokens/s")
         print(f"  two adapters    {lora:8.1f} tokens/s  (slowdown x{base / lora:.2f})")
 
         prompt_ids = engine.tokenizer.encode("The capital of France is")
         engine.add_request(Request("logits", prompt_ids, SamplingParams(max_tokens=1, lora_path="a")))
-        ours = engine.runner.execute(engine.scheduler.schedule()).logits[0]
+        ours = engine.core.runner.execute(engine.core.scheduler.schedule()).logits[0]
         with torch.no_grad():
             expected = merged_model(model_dir, root / "a")(torch.tensor([prompt_ids])).logits[0, -1]
         print(f"  max |Δlogit| vs merged-weights reference: {(ours - expected).abs().max().item():.2e}")

@@ -18,9 +18,9 @@ import torch
 from tqdm import tqdm
 
 from backend.config import EngineConfig
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import Request
+from backend.llm_engine import LLMEngine
+from backend.interface.parameters import SamplingParams
+from backend.llm_engine import Request
 from backend.model_files import prepare_default_model
 from kernels import apply_token_bitmask
 
@@ -32,18 +32,18 @@ PREFIX = '{"title":"A tale","story":"Once upon a time'
 
 def mask_cost(engine: LLMEngine, batch: int, repeats: int) -> tuple[float, float]:
     """(fill, apply) microseconds per sequence, for matchers inside a JSON string."""
-    template = engine.grammars.compile("json_schema", SCHEMA, on_done=lambda: None).result()
+    template = engine.parts.grammars.compile("json_schema", SCHEMA, on_done=lambda: None).result()
     matchers = []
     for _ in range(batch):
         matcher = template.deep_copy()
         assert matcher.consume_tokens(engine.tokenizer.encode(PREFIX, add_special_tokens=False))
         matchers.append(matcher)
     logits = torch.randn(batch, engine.vocab_size)
-    apply_token_bitmask(logits, engine.sampler.bitmasks.fill(matchers))  # warm-up
+    apply_token_bitmask(logits, engine.core.sampler.bitmasks.fill(matchers))  # warm-up
     fill = apply = 0.0
     for _ in range(repeats):
         started = time.perf_counter()
-        bitmask = engine.sampler.bitmasks.fill(matchers)
+        bitmask = engine.core.sampler.bitmasks.fill(matchers)
         filled = time.perf_counter()
         apply_token_bitmask(logits, bitmask)
         fill += filled - started
@@ -58,13 +58,13 @@ def decode(engine: LLMEngine, batch: int, tokens: int, constrained: bool, label:
     for index in range(batch):
         engine.add_request(Request(f"{label}-{index}", f"Story number {index}:",
                                    SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, **extra)))
-    started, first = time.perf_counter(), engine.num_generated_tokens
+    started, first = time.perf_counter(), engine.core.num_generated_tokens
     with tqdm(total=batch * tokens, desc=label, leave=False) as progress:
         while engine.has_unfinished_requests():
-            before = engine.num_generated_tokens
+            before = engine.core.num_generated_tokens
             engine.step()
-            progress.update(engine.num_generated_tokens - before)
-    produced = engine.num_generated_tokens - first
+            progress.update(engine.core.num_generated_tokens - before)
+    produced = engine.core.num_generated_tokens - first
     assert produced == batch * tokens, "every request should have reached max_tokens"
     return produced / (time.perf_counter() - started)
 

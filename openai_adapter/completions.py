@@ -11,6 +11,8 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from backend.interface.errors import InvalidRequest
+from backend.interface.parameters import CONSTRAINTS, SamplingParams
 from openai_adapter.concurrency import merge
 from openai_adapter.echo import Echo, echo_from_prompt_logprobs, engine_prompt_logprobs
 from openai_adapter.errors import (
@@ -72,6 +74,25 @@ def sampling_parameters(request: GenerationRequest) -> dict:
     if constraint is not None:
         parameters[constraint.engine_field] = constraint.text
     return parameters
+
+
+def check_parameters(request: GenerationRequest) -> None:
+    """The engine's own checks of the request's sampling parameters, so a value the engine would refuse is a
+    400 here with the same message, naming the parameter as the client spelled it."""
+    try:
+        params = SamplingParams.from_dict(sampling_parameters(request))
+        if request.stream:
+            params.check_streamable()
+    except InvalidRequest as error:
+        raise invalid_request(error.message, _api_name(request, error.param)) from None
+
+
+def _api_name(request: GenerationRequest, engine_field: str | None) -> str | None:
+    """The request's spelling of an engine parameter (e.g. chat's top_logprobs for logprobs)."""
+    constraint = request.constraint()
+    if engine_field in CONSTRAINTS and constraint is not None:
+        return constraint.param
+    return request.api_name(engine_field)
 
 
 class _ChoiceState:
@@ -270,6 +291,7 @@ class CompletionService:
         if unsupported is not None:
             raise unsupported_parameter(unsupported)
         request.constraint()  # more than one → 400
+        check_parameters(request)
         if request.suffix:
             raise invalid_request(
                 f"suffix is not supported: the model '{self._served_model_name}' has no fill-in-the-middle support.",
@@ -302,7 +324,6 @@ class CompletionService:
     ) -> AsyncIterator[tuple[int, TritonChunk]]:
         """Responses of all the prompts' Triton requests, run concurrently, tagged with the prompt index."""
         parameters = sampling_parameters(request)
-        constraint = request.constraint()
         calls = [
             self._triton.generate(
                 prompt,
@@ -321,6 +342,6 @@ class CompletionService:
             # The engine names its own fields: the client should see the one it sent.
             if error.code == "model_not_found" and ":" in request.model:
                 error.param = "model"  # the unknown adapter came from the model name
-            elif constraint is not None and error.param == constraint.engine_field:
-                error.param = constraint.param  # e.g. response_format for an invalid schema
+            elif error.param is not None:
+                error.param = _api_name(request, error.param)  # e.g. response_format for an invalid schema
             raise

@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from backend.interface.errors import ErrorKind
+
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
@@ -45,8 +47,15 @@ class AdapterError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
+def from_kind(kind: ErrorKind, message: str, param: str | None = None) -> AdapterError:
+    """The client's error for an error kind (the one table: backend/interface/errors.py)."""
+    wire = kind.wire
+    return AdapterError(wire.http_status, message, error_type=wire.openai_type, param=param, code=wire.openai_code,
+                        retry_after=wire.retry_after)
+
+
 def invalid_request(message: str, param: str | None = None) -> AdapterError:
-    return AdapterError(400, message, error_type="invalid_request_error", param=param)
+    return from_kind(ErrorKind.INVALID_REQUEST, message, param)
 
 
 def unsupported_parameter(param: str) -> AdapterError:
@@ -63,7 +72,7 @@ def model_not_found(model: str) -> AdapterError:
 
 def not_found(message: str, param: str | None) -> AdapterError:
     """A model or LoRA adapter this server does not have."""
-    return AdapterError(404, message, error_type="invalid_request_error", param=param, code="model_not_found")
+    return from_kind(ErrorKind.NOT_FOUND, message, param)
 
 
 def invalid_api_key(message: str) -> AdapterError:
@@ -80,7 +89,7 @@ def request_too_large(max_bytes: int) -> AdapterError:
 
 
 def service_unavailable(message: str) -> AdapterError:
-    return AdapterError(503, message, error_type="service_unavailable_error", retry_after=True)
+    return from_kind(ErrorKind.OVERLOADED, message)
 
 
 def gateway_timeout(message: str) -> AdapterError:
@@ -88,7 +97,7 @@ def gateway_timeout(message: str) -> AdapterError:
 
 
 def internal_error(message: str = "Internal server error.") -> AdapterError:
-    return AdapterError(500, message, error_type="server_error")
+    return from_kind(ErrorKind.INTERNAL, message)
 
 
 def client_disconnected() -> AdapterError:

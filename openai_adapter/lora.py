@@ -1,24 +1,19 @@
-"""The LoRA adapters /v1/models lists: those in the adapters directory (shared with the engine, read here),
-each marked loaded when the engine's `tritonllm:lora_adapter_loaded` gauge says it holds a slot."""
+"""The LoRA adapters /v1/models lists: those in the adapters directory (shared with the engine, named by the
+rules of backend/interface/lora_names.py), each marked loaded when the engine's `tritonllm:lora_adapter_loaded`
+gauge says it holds a slot."""
 
 import asyncio
 import logging
 import urllib.request
-from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from backend.interface.lora_names import available_adapters
+from backend.interface.metric_names import LORA_LOADED
+
 logger = logging.getLogger(__name__)
 
-LOADED_METRIC = "tritonllm:lora_adapter_loaded"
 _METRICS_TIMEOUT_S = 2.0
-
-
-def available_adapters(lora_dir: str) -> list[str]:
-    """Adapter names: the subdirectories holding a PEFT adapter_config.json, relative to lora_dir."""
-    root = Path(lora_dir)
-    return sorted(path.parent.relative_to(root).as_posix() for path in root.rglob("adapter_config.json")
-                  if path.parent != root)
 
 
 async def loaded_adapters(metrics_url: str) -> set[str] | None:
@@ -36,7 +31,7 @@ async def loaded_adapters(metrics_url: str) -> set[str] | None:
     return {
         sample.labels["adapter"]
         for family in text_string_to_metric_families(text)
-        if family.name == LOADED_METRIC
+        if family.name == LORA_LOADED[0]
         for sample in family.samples
         if sample.value == 1.0
     }

@@ -1,7 +1,10 @@
-"""Wire models of OpenAI's completions and chat completions APIs (plus the SGLang/vLLM extensions we accept)."""
+"""Wire models of OpenAI's completions and chat completions APIs (plus the SGLang/vLLM extensions we accept).
 
+The models say what shape a body has; the values of the sampling parameters are checked by their one
+declaration (backend/interface/parameters.py), which the engine uses too (see `CompletionService`)."""
+
+import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -15,10 +18,26 @@ from pydantic import (
     model_validator,
 )
 
+from backend.interface.parameters import MAX_TOKEN_ID, PARAMETERS, SamplingParams
+from backend.interface.tensors import CHAT_ROLES
 from openai_adapter.errors import from_validation_error, invalid_request
 
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 """Triton's input_ids tensor is INT32."""
+
+
+def engine_field(name: str, default: Any = dataclasses.MISSING) -> Any:
+    """A field for the engine's sampling parameter `name`: its default (unless given) and, for the OpenAPI
+    description only, its documented range; the values are checked by the declaration itself."""
+    parameter = PARAMETERS[name]
+    if default is dataclasses.MISSING:
+        declared = SamplingParams.__dataclass_fields__[name]
+        default = declared.default if declared.default_factory is dataclasses.MISSING else declared.default_factory()
+    limits = {key: value for key, value in (("minimum", parameter.minimum), ("maximum", parameter.maximum))
+              if value is not None and parameter.special is None}
+    if parameter.exclusive_minimum and "minimum" in limits:
+        limits["exclusiveMinimum"] = limits.pop("minimum")
+    return Field(default, description=parameter.doc, json_schema_extra=limits or None)
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 """One text, a batch of texts, one tokenized prompt, or a batch of tokenized prompts."""
@@ -42,9 +61,6 @@ class NotYetSupportedParameters(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-
-
-_TOKEN_ID_KEY = re.compile(r"[0-9]+")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -91,18 +107,6 @@ class StructuredOutputParameters(BaseModel):
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
 
-    @field_validator("json_schema", "guided_json")
-    @classmethod
-    def _check_json_schema(cls, schema: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if isinstance(schema, str):
-            try:
-                parsed = json.loads(schema)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"not valid JSON: {error}") from None
-            if not isinstance(parsed, (dict, bool)):
-                raise ValueError("a JSON schema must be a JSON object")
-        return schema
-
     def constraint(self) -> Constraint | None:
         """The request's constraint; a 400 when it sets more than one."""
         found = self._constraints()
@@ -141,23 +145,18 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
     Unknown fields are ignored (SDKs send extra_body fields as they are)."""
 
     model: str
-    max_tokens: int | None = Field(16, ge=0)
-    """None: generate until a stop condition or the end of the context."""
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    """-1 turns top-k off."""
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    logit_bias: dict[str, float] = {}
-    """Token id (as a string, JSON keys being strings) → bias added to its logit."""
-    n: int = Field(1, ge=1)
+    max_tokens: int | None = engine_field("max_tokens")
+    temperature: float = engine_field("temperature")
+    top_p: float = engine_field("top_p")
+    top_k: int = engine_field("top_k")
+    min_p: float = engine_field("min_p")
+    frequency_penalty: float = engine_field("frequency_penalty")
+    presence_penalty: float = engine_field("presence_penalty")
+    repetition_penalty: float = engine_field("repetition_penalty")
+    logit_bias: dict[str, float] = engine_field("logit_bias")
+    n: int = engine_field("n")
     stream: bool = False
-    best_of: int | None = Field(None, ge=1)
-    """Choices generated, of which the n most likely are returned; None: n. Declared after n and stream,
-    which its validator reads."""
+    best_of: int | None = engine_field("best_of")
     stream_options: StreamOptions | None = None
     return_cached_tokens_details: bool = False
     """SGLang extension: add `sglext.cached_tokens_details` beside the usage."""
@@ -169,7 +168,7 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
     """SGLang extension: keep the matched stop string (or stop token's text) at the end of the text."""
     seed: int | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = engine_field("min_tokens")
     skip_special_tokens: bool = True
     user: str | None = None
     """An end-user id for abuse monitoring in OpenAI's API; accepted and ignored."""
@@ -200,39 +199,9 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
         field = cls.model_fields.get(name)
         return None if field is None else field.default
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _check_logit_bias(cls, bias: dict[str, float]) -> dict[str, float]:
-        for key, amount in bias.items():
-            if not _TOKEN_ID_KEY.fullmatch(key):
-                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
-            if not -100.0 <= amount <= 100.0:
-                raise ValueError(f"biases must be in [-100, 100], got {amount} for token {key}")
-        # Canonical keys ("007" → "7") so the engine sees each token id once.
-        return {str(int(key)): amount for key, amount in bias.items()}
-
-    @field_validator("best_of")
-    @classmethod
-    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
-        if best_of is None or "n" not in info.data:  # n itself failed validation: that error is reported
-            return best_of
-        n = info.data["n"]
-        if best_of < n:
-            raise ValueError(f"best_of must be greater than or equal to n ({n}), got {best_of}")
-        if best_of > n and info.data.get("stream"):
-            # As in OpenAI's API: which choices are the best is known only once all have finished.
-            raise ValueError("best_of greater than n cannot be streamed")
-        return best_of
-
-    @field_validator("stop_regex")
-    @classmethod
-    def _check_stop_regex(cls, stop_regex: str | list[str] | None) -> str | list[str] | None:
-        for pattern in _as_list(stop_regex):
-            try:
-                re.compile(pattern)
-            except re.error as error:
-                raise ValueError(f"{pattern!r} is not a valid regular expression: {error}") from None
-        return stop_regex
+    def api_name(self, engine_field: str | None) -> str | None:
+        """This request's name for an engine sampling parameter."""
+        return engine_field
 
     def stop_strings(self) -> list[str]:
         return _as_list(self.stop)
@@ -259,7 +228,7 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     """Only empty: the served model has no fill-in-the-middle support (checked by the service)."""
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = engine_field("logprobs")
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -291,8 +260,8 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
-ChatRole = Literal["system", "user", "assistant", "tool"]
-"""The roles the engine accepts in its `messages` input (backend/triton_io.py CHAT_ROLES)."""
+ChatRole = Literal[CHAT_ROLES]
+"""The roles the engine accepts in its `messages` input."""
 
 
 class ChatMessage(BaseModel):
@@ -311,11 +280,11 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
     """Body of POST /v1/chat/completions. The engine renders the messages with the model's chat template."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = engine_field("max_tokens", None)
     """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are given."""
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = engine_field("max_tokens", None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = engine_field("logprobs")
     # Completion-only features, fixed off so the completion service can run chat requests unchanged.
     echo: ClassVar[bool] = False
     suffix: ClassVar[None] = None
@@ -330,7 +299,7 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
             where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"])
             raise ValueError(
                 f"messages{where}: {first['msg']} (messages must be a list of objects with a role in "
-                "system, user, assistant, tool and a string content)"
+                f"{', '.join(CHAT_ROLES)} and a string content)"
             ) from None
         if not messages:
             raise ValueError("messages must not be empty")
@@ -348,6 +317,13 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    def api_name(self, engine_field: str | None) -> str | None:
+        if engine_field == "logprobs":
+            return "top_logprobs"
+        if engine_field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return engine_field
 
     def prompts(self) -> list[list[dict]]:
         """One prompt: the conversation, which the engine renders."""

@@ -1,34 +1,29 @@
-"""Configuration of the OpenAI adapter."""
+"""Configuration of the OpenAI adapter, declared once: `python -m openai_adapter` and `tritonllm serve` make
+their options (with env vars and help) from these fields."""
 
 from dataclasses import dataclass
 
-API_KEY_ENV = "TRITONLLM_API_KEY"
-"""Environment variable holding the API key, read by both `tritonllm serve` and `python -m openai_adapter`."""
+from backend.interface.settings import setting
 
 
 @dataclass(frozen=True, kw_only=True)
 class AdapterSettings:
     served_model_name: str
-    """The model name clients must send; also the only entry of /v1/models."""
-    triton_url: str = "127.0.0.1:8001"
-    """host:port of tritonserver's gRPC endpoint."""
-    triton_model: str = "llm"
-    request_timeout_s: float = 600.0
-    """Deadline of one Triton call (a whole generation, streamed or not)."""
-    health_timeout_s: float = 2.0
-    """How long /health may wait for Triton's readiness answers."""
-    api_key: str | None = None
-    """When set, every /v1 route requires `Authorization: Bearer <api_key>`; /health stays open."""
-    max_body_bytes: int = 4 * 1024 * 1024
-    """Largest accepted request body (413 beyond)."""
-    max_prompts: int = 64
-    """Prompts in one batched request: each becomes its own Triton request."""
-    max_n: int = 16
-    max_best_of: int = 16
-    max_tokens: int | None = None
-    """Largest accepted max_tokens; None leaves only the engine's context-length check."""
-    lora_dir: str | None = None
-    """The engine's LoRA adapters directory (the same path): enables `model: "<served>:<adapter>"` and
-    `lora_path`, and /v1/models lists its adapters. None: LoRA is off."""
-    triton_metrics_url: str | None = None
-    """tritonserver's Prometheus endpoint: /v1/models reads which adapters are loaded from it."""
+    """The model name clients must send; also the first entry of /v1/models."""
+    triton_url: str = setting("127.0.0.1:8001", "tritonserver gRPC host:port")
+    triton_model: str = setting("llm", "name of the Triton model")
+    request_timeout_s: float = setting(600.0, "deadline in seconds of one Triton call (a whole generation)",
+                                       option="request-timeout")
+    health_timeout_s: float = setting(2.0, "seconds /health may wait for Triton's readiness answers",
+                                      option="health-timeout")
+    api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on /v1 routes (unset: no auth)",
+                                  secret=True)
+    max_body_bytes: int = setting(4 * 1024 * 1024, "largest request body in bytes (413 beyond)")
+    max_prompts: int = setting(64, "prompts in one batched request (each becomes its own Triton request)")
+    max_n: int = setting(16, "largest n")
+    max_best_of: int = setting(16, "largest best_of")
+    max_tokens: int | None = setting(None, "largest max_tokens (unset: only the context length limits it)")
+    lora_dir: str | None = setting(None, "the engine's LoRA adapters directory (the same path): enables "
+                                         "'<model>:<adapter>' and lora_path, and /v1/models lists its adapters")
+    triton_metrics_url: str | None = setting(None, "tritonserver's metrics endpoint, e.g. "
+                                                   "http://127.0.0.1:8002/metrics (engine load, loaded adapters)")

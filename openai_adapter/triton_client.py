@@ -18,14 +18,8 @@ import numpy as np
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
 
-from openai_adapter.errors import (
-    AdapterError,
-    gateway_timeout,
-    internal_error,
-    invalid_request,
-    not_found,
-    service_unavailable,
-)
+from backend.interface.errors import decode
+from openai_adapter.errors import AdapterError, from_kind, gateway_timeout, internal_error, service_unavailable
 from openai_adapter.settings import AdapterSettings
 
 _CHANNEL_ARGS = [
@@ -46,9 +40,6 @@ _ALWAYS_RETURNED = (
     "return_matched_stop",
 )
 
-# The backend tags the errors it raises on purpose (gRPC stream errors carry no status code);
-# see _error_from_message.
-_ERROR_TAG = re.compile(r"\[(invalid_request|not_found|overloaded|cancelled|internal)(?::(\w+))?\]\s*")
 # Triton's own answer while the model is missing or still loading.
 _MODEL_NOT_AVAILABLE = re.compile(r"unknown model", re.IGNORECASE)
 
@@ -222,18 +213,11 @@ def _ints(result: InferResult, name: str) -> list[int]:
 
 
 def _error_from_message(message: str) -> AdapterError:
-    """Map an error response to the client's error: by the backend's tag, else by Triton's own wording."""
-    tag = _ERROR_TAG.search(message)
-    if tag is None:
+    """Map an error response to the client's error: by the kind the backend encoded (backend/interface/errors.py),
+    else by Triton's own wording."""
+    decoded = decode(message)
+    if decoded is None:
         if _MODEL_NOT_AVAILABLE.search(message):
             return service_unavailable(f"The model is not available in Triton: {message}")
         return internal_error(f"Triton error: {message}")
-    kind, param, detail = tag.group(1), tag.group(2), message[tag.end() :]
-    if kind == "invalid_request":
-        return invalid_request(detail, param)
-    if kind == "not_found":
-        return not_found(detail, param)
-    if kind == "internal":
-        return internal_error(detail)
-    # Overloaded, or cancelled by the server (e.g. shutting down): both are worth a retry.
-    return service_unavailable(detail)
+    return from_kind(decoded.kind, decoded.message, decoded.param)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import Request, RequestOutput
+from backend.interface.parameters import SamplingParams
+from backend.llm_engine import LLMEngine, Request
+from backend.processing.outputs import RequestOutput
 
 _ids = itertools.count()
 
@@ -29,7 +29,7 @@ class Result:
         return reasons[0] if reasons else None
 
     def token_ids(self, index: int = 0) -> list[int]:
-        return self.request.sequences[index].output_token_ids
+        return [t for o in self.outputs for c in o.choices if c.index == index for t in c.token_ids]
 
 
 def generate(engine: LLMEngine, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[Result]:
@@ -49,5 +49,5 @@ def generate(engine: LLMEngine, prompts: list, params: SamplingParams | list[Sam
 def assert_idle(engine: LLMEngine) -> None:
     """Nothing in flight (running, waiting or compiling a grammar) and every KV block free."""
     stats = engine.stats()
-    assert stats.running == 0 and stats.waiting == 0 and not engine.requests and not engine.compiling
-    assert stats.free_blocks == stats.total_blocks
+    assert stats.running == 0 and stats.waiting == 0 and not engine.core.requests and not engine.core.compiling
+    assert stats.free_blocks == stats.total_blocks and not engine.outputs.requests

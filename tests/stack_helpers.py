@@ -70,7 +70,7 @@ class StackProcess:
         adapter_port, http_port, grpc_port, metrics_port = free_ports(4)
         self.state_dir = state_dir
         self.command = [
-            sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir), *options,
+            sys.executable, "-m", "tritonllm", "serve", "--model", str(model_dir), *options,
             "--port", str(adapter_port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port), "--state-dir", str(state_dir),
         ]

@@ -97,7 +97,7 @@ def test_sampling_parameters_send_new_parameters_only_when_not_neutral():
         "frequency_penalty": 0.5,
         "presence_penalty": -1.0,
         "repetition_penalty": 1.2,
-        "logit_bias": {"7": -100.0, "42": 2.5},  # keys in canonical form
+        "logit_bias": {"007": -100.0, "42": 2.5},  # as sent: the engine reads token ids from the keys
         "stop_regex": [r"\d+"],
         "no_stop_trim": True,
     }

@@ -10,11 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend.config import EngineConfig
-from backend.engine.engine_loop import EngineLoop
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import Request
-from backend.errors import InvalidRequest
+from backend.engine.core_loop import CoreLoop
+from backend.interface.errors import InvalidRequest
+from backend.interface.parameters import SamplingParams
+from backend.llm_engine import LLMEngine, Request
 from engine_helpers import assert_idle, generate
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
@@ -43,7 +42,7 @@ def test_greedy_matches_transformers_generate(engine, default_model_dir):
     [result] = generate(engine, [prompt], GREEDY)
     assert result.token_ids() == expected
     assert result.text().startswith(" Paris")
-    assert result.finish_reason() == ("stop" if expected[-1] in engine.eos_token_ids else "length")
+    assert result.finish_reason() == ("stop" if expected[-1] in engine.core.eos_token_ids else "length")
     assert_idle(engine)
 
 
@@ -100,7 +99,7 @@ def test_stop_token_ids_and_eos(engine):
     assert result.token_ids() == tokens[:first_new + 1] and result.finish_reason() == "stop"
     [chat] = generate(engine, ["<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"],
                       SamplingParams(max_tokens=64, temperature=0.0))
-    assert chat.finish_reason() == "stop" and chat.token_ids()[-1] in engine.eos_token_ids
+    assert chat.finish_reason() == "stop" and chat.token_ids()[-1] in engine.core.eos_token_ids
     assert "<|im_end|>" not in chat.text()
 
 
@@ -140,7 +139,7 @@ def test_abort_frees_blocks_and_reports_abort(engine):
 @pytest.fixture(scope="module")
 def small_uncached_engine(default_model_dir, engine) -> LLMEngine:
     """13 blocks of 16 tokens: far too few for the six PROMPTS at once, enough for each alone."""
-    return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=13 * engine.runner.bytes_per_block,
+    return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=13 * engine.core.runner.bytes_per_block,
                                   max_num_batched_tokens=48, enable_prefix_caching=False))
 
 
@@ -240,32 +239,37 @@ def test_stop_regex_no_stop_trim_and_matched_stop(engine):
 def test_a_request_failing_in_its_own_processing_fails_alone(engine, monkeypatch):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     [expected] = generate(engine, ["The quick brown fox"], params)
-    original = engine.output_processor.append_token
+    original = engine.outputs._apply
+    updates = {"sick": 0}
 
-    def fragile(seq, sampled):
-        if seq.request.prompt == "poison" and seq.num_output_tokens == 3:
-            raise RuntimeError("detokenizer exploded")
-        return original(seq, sampled)
+    def fragile(state_params, choice, update):
+        if state_params is sick_params:
+            updates["sick"] += 1
+            if updates["sick"] == 3:
+                raise RuntimeError("detokenizer exploded")
+        return original(state_params, choice, update)
 
-    monkeypatch.setattr(engine.output_processor, "append_token", fragile)
-    requests = [Request("healthy", "The quick brown fox", params), Request("sick", "poison", params)]
+    sick_params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    monkeypatch.setattr(engine.outputs, "_apply", fragile)
+    requests = [Request("healthy", "The quick brown fox", params), Request("sick", "poison", sick_params)]
     for request in requests:
         engine.add_request(request)
     outputs = []
-    while engine.has_work():
+    while engine.has_unfinished_requests():
         outputs += engine.step()
     [error] = [o for o in outputs if o.error is not None]
     assert error.request_id == "sick" and error.finished and "exploded" in str(error.error)
-    assert requests[0].sequences[0].output_token_ids == expected.token_ids()
+    healthy = [t for o in outputs if o.request_id == "healthy" for c in o.choices for t in c.token_ids]
+    assert healthy == expected.token_ids()
     assert_idle(engine)
 
 
-def test_engine_loop_shutdown_aborts_what_does_not_finish_in_time(engine):
+def test_core_loop_shutdown_aborts_what_does_not_finish_in_time(engine):
     outputs = []
-    loop = EngineLoop(engine.config, outputs.append, engine=engine)
-    loop.submit("long", "Tell me a story.", SamplingParams(max_tokens=500, ignore_eos=True))
+    loop = CoreLoop(engine.core, outputs.extend)
+    loop.submit(engine.inputs.process("long", "Tell me a story.", SamplingParams(max_tokens=500, ignore_eos=True)))
     while not outputs:
         time.sleep(0.01)
     loop.shutdown(timeout=0.2)
-    assert outputs[-1].finished and outputs[-1].choices[-1].finish_reason == "abort"
+    assert outputs[-1].finished and outputs[-1].sequences[-1].finish_reason == "abort"
     assert_idle(engine)

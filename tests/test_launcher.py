@@ -3,6 +3,7 @@ and one real tritonserver run with a stand-in decoupled model."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import queue
@@ -16,8 +17,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend import cli, launcher, model_files
+from backend import launcher, model_files
+from backend.config import EngineConfig
+from backend.interface import tensors
 from stack_helpers import free_ports
+from tritonllm import cli
 
 # --- config.pbtxt parameters ---------------------------------------------------------------------------------
 
@@ -56,10 +60,22 @@ def test_set_parameters_escapes_quotes_and_backslashes():
     assert _parameters(launcher.set_pbtxt_parameters(text, {"model_path": "/m"}))["model_path"] == "/m"
 
 
-def test_repo_config_declares_every_engine_parameter():
-    config = (launcher.SOURCE_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
-    assert set(_parameters(config)) == {"model_path", "lora_dir", *cli.ENGINE_OPTIONS}  # paths: resolved apart
-    assert "decoupled: true" in config
+def test_engine_parameters_are_written_from_the_one_declaration(tmp_path):
+    """The checked-in config.pbtxt holds no engine parameter (no second copy of the settings); the written
+    repository holds every EngineConfig setting, and reads back as the same config."""
+    source = (launcher.SOURCE_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    assert _parameters(source) == {} and "decoupled: true" in source
+    config = EngineConfig(max_num_seqs=5, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    repository = launcher.write_model_repository(tmp_path / "repo", config.to_strings())
+    written = _parameters((repository / "llm" / "config.pbtxt").read_text())
+    assert set(written) == {field.name for field in dataclasses.fields(EngineConfig)}
+    assert EngineConfig.from_strings(written) == config
+
+
+def test_tensor_names_agree_with_config_pbtxt():
+    source = (launcher.SOURCE_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    declared = re.findall(r'name:\s*"(\w+)"', source)
+    assert declared == ["llm", *tensors.INPUTS, *tensors.OUTPUTS]
 
 
 def test_write_model_repository(tmp_path):
@@ -178,7 +194,7 @@ def test_serve_options_default_from_env(monkeypatch):
     monkeypatch.setenv("TRITONLLM_PORT", "9123")
     monkeypatch.setenv("TRITONLLM_KV_CACHE_MEMORY", "2GiB")
     args = cli.build_parser().parse_args(["serve"])
-    assert (args.port, args.kv_cache_memory, args.grpc_port) == (9123, "2GiB", 8001)
+    assert (args.port, args.kv_cache_memory, args.grpc_port) == (9123, 2 << 30, 8001)
     assert cli.build_parser().parse_args(["serve", "--port", "1"]).port == 1
 
 

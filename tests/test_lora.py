@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import Request
-from backend.errors import InvalidRequest, NotFound
+from backend.llm_engine import LLMEngine
+from backend.interface.parameters import SamplingParams
+from backend.llm_engine import Request
+from backend.interface.errors import InvalidRequest, NotFound
 from engine_helpers import generate
 from lora_helpers import merged_model, write_random_adapter
 
@@ -35,7 +35,7 @@ def engine(default_model_dir, adapters_dir) -> LLMEngine:
 
 
 def _abort_all(engine: LLMEngine) -> None:
-    for request_id in list(engine.requests):
+    for request_id in list(engine.core.requests):
         engine.abort_request(request_id)
     engine.step()
     stats = engine.stats()
@@ -51,11 +51,11 @@ def test_mixed_batch_logits_match_merged_references(engine, default_model_dir, a
     for request in requests:
         engine.add_request(request)
     engine.step()  # prefill of all three together, each samples its first token
-    decode = engine.runner.execute(engine.scheduler.schedule())  # then one decode step, again batched
-    assert [seq.request for seq in decode.sample_seqs] == requests
+    decode = engine.core.runner.execute(engine.core.scheduler.schedule())  # then one decode step, again batched
+    assert [seq.request.request_id for seq in decode.sample_seqs] == [request.request_id for request in requests]
     base_logits = None
     for row, (request, adapter_dir) in enumerate(zip(requests, choices.values())):
-        tokens = torch.tensor([request.sequences[0].token_ids])
+        tokens = torch.tensor([decode.sample_seqs[row].token_ids])
         with torch.no_grad():
             expected = merged_model(default_model_dir, adapter_dir)(tokens).logits[0, -1]
         difference = (decode.logits[row] - expected).abs().max().item()
@@ -75,7 +75,7 @@ def test_more_adapters_than_slots_wait_and_evict_least_recently_used(engine):
     together = [r.token_ids() for r in generate(engine, [PROMPT] * 4, params)]  # 3 adapters, 2 slots: one waits
     assert together == alone
     assert alone[0] != alone[3] and alone[1] != alone[3]  # adapters alpha and beta change the greedy text
-    assert engine.runner.lora_slots.pins == [0, 0]
+    assert engine.core.runner.lora_slots.pins == [0, 0]
 
 
 def test_prefix_cache_is_not_shared_across_adapters(engine):
@@ -94,7 +94,7 @@ def test_prefix_cache_is_not_shared_across_adapters(engine):
 def test_paths_outside_the_adapters_directory_are_refused(engine, adapters_dir, tmp_path, lora_path):
     (adapters_dir / "escape").unlink(missing_ok=True)
     (adapters_dir / "escape").symlink_to(tmp_path)  # a link out of the directory
-    write_random_adapter(tmp_path, engine.model_dir, seed=9, targets=("q_proj",))
+    write_random_adapter(tmp_path, engine.parts.model_dir, seed=9, targets=("q_proj",))
     with pytest.raises(InvalidRequest, match="not inside the adapters directory") as error:
         engine.add_request(Request(f"escape-{lora_path}", PROMPT, SamplingParams(lora_path=lora_path)))
     assert error.value.param == "lora_path"
@@ -109,7 +109,7 @@ def test_unknown_adapter_is_not_found(engine, lora_path):
 
 
 def test_adapter_of_too_high_a_rank_is_refused(engine, adapters_dir):
-    write_random_adapter(adapters_dir / "wide", engine.model_dir, seed=4, rank=16, targets=("o_proj",))
+    write_random_adapter(adapters_dir / "wide", engine.parts.model_dir, seed=4, rank=16, targets=("o_proj",))
     with pytest.raises(InvalidRequest, match="max_lora_rank=8"):
         engine.add_request(Request("wide-adapter", PROMPT, SamplingParams(lora_path="wide")))
 
@@ -121,8 +121,8 @@ def test_hidden_states_match_transformers_last_hidden_state(engine, default_mode
     generated = torch.stack([row for output in result.outputs for choice in output.choices
                              for row in choice.hidden_states])
     prompt = next(o.prompt_hidden_states for o in result.outputs if o.prompt_hidden_states is not None)
-    sequence = result.request.sequences[0].token_ids
-    num_prompt = result.request.sequences[0].num_prompt_tokens
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    sequence, num_prompt = prompt_ids + result.token_ids(), len(prompt_ids)
     assert generated.shape == (6, 576) and prompt.shape == (num_prompt, 576)
     with torch.no_grad():
         expected = merged_model(default_model_dir, None).model(torch.tensor([sequence])).last_hidden_state[0]

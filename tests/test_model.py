@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM as HFLlama
 
-from backend.engine.attention import AttentionMetadata, PrefillChunk
+from backend.layers.attention import AttentionMetadata, PrefillChunk
 from backend.models.llama import LlamaForCausalLM
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived"]

@@ -9,9 +9,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from backend.config import EngineConfig
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import Request
+from backend.llm_engine import LLMEngine
+from backend.interface.parameters import SamplingParams
+from backend.llm_engine import Request
 from backend.models.llama import LlamaForCausalLM
 from engine_helpers import generate
 from moe_helpers import num_moe_layers, tiny_moe_config, write_tiny_moe
@@ -45,7 +45,7 @@ def engine(moe_dir) -> LLMEngine:
 def test_logits_match_transformers(engine, reference):
     prompt_ids = engine.tokenizer.encode(PROMPTS[0])
     engine.add_request(Request("logits", prompt_ids, SamplingParams(max_tokens=1, prompt_logprobs=0)))
-    step = engine.runner.execute(engine.scheduler.schedule())  # the whole prompt fits one step
+    step = engine.core.runner.execute(engine.core.scheduler.schedule())  # the whole prompt fits one step
     ours = torch.cat([step.prompt_logits[0].logits, step.logits])
     engine.abort_request("logits")
     engine.step()
@@ -67,15 +67,15 @@ def test_greedy_tokens_and_routed_experts_match_transformers(engine, reference, 
     results = generate(engine, PROMPTS, params)  # batched: one decodes while the other still prefills
     reference.generation_config.eos_token_id = None  # like ignore_eos
     for result in results:
-        seq = result.request.sequences[0]
-        prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
+        prompt_ids = engine.tokenizer.encode(result.request.prompt)
+        token_ids = prompt_ids + result.token_ids()
         with torch.no_grad():
             expected = reference.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)[0]
-        assert seq.token_ids == expected.tolist()
+        assert token_ids == expected.tolist()
         routed = [row for output in result.outputs for choice in output.choices for row in choice.routed_experts]
         assert len(routed) == 8 and all(row.shape == (num_moe_layers(model_type), TOP_K) for row in routed)
         # the generated token j came from the logits at position prompt_len - 1 + j
-        expected_routing = _router_top_k(reference, seq.token_ids)[seq.num_prompt_tokens - 1:-1]
+        expected_routing = _router_top_k(reference, token_ids)[len(prompt_ids) - 1:-1]
         assert torch.equal(torch.stack(routed), expected_routing)
 
 

@@ -14,10 +14,10 @@ from llguidance import LLMatcher
 
 from backend.config import EngineConfig
 from backend.engine import structured_output
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.sampling_params import SamplingParams
-from backend.engine.sequence import Request
-from backend.errors import InvalidRequest
+from backend.llm_engine import LLMEngine
+from backend.interface.parameters import SamplingParams
+from backend.llm_engine import Request
+from backend.interface.errors import InvalidRequest
 from engine_helpers import assert_idle, generate
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
@@ -43,7 +43,7 @@ def test_regex_output_fullmatches_and_stops_when_complete(engine):
 def test_eos_only_where_the_grammar_accepts(engine):
     """A +100 bias on EOS cannot end the text before the grammar accepts; at the first token where it does, EOS
     ends it."""
-    eos = min(engine.eos_token_ids)
+    eos = min(engine.core.eos_token_ids)
     params = SamplingParams(max_tokens=30, temperature=0, regex=r"[a-z]{5,8}", logit_bias={eos: 100.0})
     [result] = generate(engine, ["A word:"], params)
     assert regex.fullmatch(r"[a-z]{5,8}", result.text()), result.text()
@@ -57,7 +57,7 @@ def test_max_tokens_cuts_a_valid_prefix(engine):
     assert result.finish_reason() == "length" and len(result.token_ids()) == 6
     with pytest.raises(json.JSONDecodeError):
         json.loads(result.text())
-    fresh = engine.grammars.compile("json_schema", schema, on_done=lambda: None).result().deep_copy()
+    fresh = engine.parts.grammars.compile("json_schema", schema).result().deep_copy()
     assert fresh.consume_tokens(result.token_ids()) and not fresh.is_accepting()
 
 
@@ -117,19 +117,19 @@ def test_two_constraints_are_refused():
 
 def test_a_repeated_grammar_is_compiled_once(engine):
     compiled = []
-    original = engine.grammars._build
+    original = engine.parts.grammars._build
 
     def counting(name, text):
         compiled.append(text)
         return original(name, text)
 
-    engine.grammars._build = counting
+    engine.parts.grammars._build = counting
     try:
         grammar = r"(yes|no|maybe)"
         results = generate(engine, PROMPTS, SamplingParams(max_tokens=5, temperature=0.9, regex=grammar))
         results += generate(engine, PROMPTS[:1], SamplingParams(max_tokens=5, temperature=0.9, regex=grammar))
     finally:
-        engine.grammars._build = original
+        engine.parts.grammars._build = original
     assert compiled == [grammar]
     assert all(regex.fullmatch(grammar, result.text()) for result in results)
 
@@ -138,13 +138,13 @@ def test_a_slow_compile_does_not_stall_other_requests(engine):
     """While one grammar compiles (held here), an unconstrained request runs to its end; the constrained one then
     starts and finishes."""
     release = threading.Event()
-    original = engine.grammars._build
+    original = engine.parts.grammars._build
 
     def slow(name, text):
         assert release.wait(30)
         return original(name, text)
 
-    engine.grammars._build = slow
+    engine.parts.grammars._build = slow
     try:
         engine.add_request(Request("slow-grammar", "Say yes:", SamplingParams(max_tokens=5, regex="(yes|no)!")))
         engine.add_request(Request("plain", "Hello", SamplingParams(max_tokens=6, temperature=0)))
@@ -153,22 +153,22 @@ def test_a_slow_compile_does_not_stall_other_requests(engine):
         while "plain" not in finished:
             assert time.monotonic() < deadline
             finished.update({o.request_id: o for o in engine.step() if o.finished})
-        assert "slow-grammar" not in finished and engine.num_waiting_requests() == 1
+        assert "slow-grammar" not in finished and engine.core.num_waiting_requests() == 1
         release.set()
         while "slow-grammar" not in finished:
             assert time.monotonic() < deadline
             finished.update({o.request_id: o for o in engine.step() if o.finished})
     finally:
         release.set()
-        engine.grammars._build = original
+        engine.parts.grammars._build = original
     assert finished["slow-grammar"].error is None
     assert_idle(engine)
 
 
 def test_aborting_a_request_while_its_grammar_compiles(engine):
     release = threading.Event()
-    original = engine.grammars._build
-    engine.grammars._build = lambda name, text: release.wait(30) and original(name, text)
+    original = engine.parts.grammars._build
+    engine.parts.grammars._build = lambda name, text: release.wait(30) and original(name, text)
     try:
         engine.add_request(Request("abandoned", "Hi", SamplingParams(max_tokens=5, regex="(a|b)c")))
         engine.abort_request("abandoned")
@@ -176,20 +176,20 @@ def test_aborting_a_request_while_its_grammar_compiles(engine):
         assert output.finished and output.choices[0].finish_reason == "abort"
     finally:
         release.set()
-        engine.grammars._build = original
+        engine.parts.grammars._build = original
     assert_idle(engine)
 
 
 def test_bitmask_marks_exactly_the_tokens_the_matcher_allows(engine):
     """The filler's rows agree with llguidance's own per-token answer; unconstrained rows allow everything."""
-    matcher = engine.grammars.compile("regex", r"[0-9]+", on_done=lambda: None).result().deep_copy()
-    bitmask = engine.sampler.bitmasks.fill([None, matcher])
+    matcher = engine.parts.grammars.compile("regex", r"[0-9]+").result().deep_copy()
+    bitmask = engine.core.sampler.bitmasks.fill([None, matcher])
     assert bitmask.shape == (2, structured_output.bitmask_words(engine.vocab_size))
     assert bool((bitmask[0] == -1).all())
     bits = ((bitmask[1].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:engine.vocab_size]
     allowed = bits.nonzero().flatten().tolist()
     tokenizer = engine.tokenizer
     assert allowed and all(tokenizer.decode([t]).isdigit() for t in allowed)
-    assert min(engine.eos_token_ids) not in allowed  # nothing matched yet: the grammar does not accept
+    assert min(engine.core.eos_token_ids) not in allowed  # nothing matched yet: the grammar does not accept
     assert tokenizer.convert_tokens_to_ids("7") in allowed
     assert isinstance(matcher, LLMatcher)

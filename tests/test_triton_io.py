@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine.sequence import ChoiceDelta, RequestOutput
-from backend.errors import InvalidRequest
+from backend.processing.outputs import ChoiceDelta, RequestOutput
+from backend.interface.errors import InvalidRequest
 from backend.triton_io import ResponseBuilder, parse_request
 
 
@@ -40,7 +40,7 @@ def test_parse_casts_strings_and_reads_flags():
     (inputs({"top_p": 0}), "top_p"),
     (inputs({"unknown": 1}), "unsupported sampling parameter"),
     (inputs({"n": 1, "best_of": 3}, stream=True), "best_of > n cannot be streamed"),
-    (inputs({"logit_bias": {"5": 101}}), "logit_bias values"),
+    (inputs({"logit_bias": {"5": 101}}), r"logit_bias must be in \[-100, 100\]"),
     (inputs({"stop_regex": "("}), "not a valid regular expression"),
 ])
 def test_parse_rejects_bad_input(values, message):

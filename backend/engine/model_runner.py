@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from backend.config import EngineConfig
-from backend.engine.attention import AttentionMetadata, PrefillChunk
-from backend.engine.lora import LoraSlotPool
+from backend.layers.attention import AttentionMetadata, PrefillChunk
+from backend.engine.lora_slots import LoraSlotPool
 from backend.engine.scheduler import ScheduledSequence
 from backend.engine.sequence import Sequence
 from backend.models.llama import LlamaForCausalLM

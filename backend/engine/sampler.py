@@ -8,20 +8,11 @@ model's raw distribution (before any adjustment, temperature or filtering), as i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from backend.engine.sequence import Sequence
+from backend.engine.sequence import SampledToken, Sequence
 from backend.engine.structured_output import BitmaskFiller
 from kernels import apply_logit_bias, apply_penalties, apply_token_bitmask, filter_probs
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the requested number of most likely tokens
 
 
 def score(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[SampledToken]:
@@ -30,7 +21,7 @@ def score(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> l
     top_values = top_ids = []
     if max(num_top, default=0):
         top_values, top_ids = (t.tolist() for t in logprobs.topk(max(num_top), dim=-1))
-    return [SampledToken(token, chosen[i], list(zip(top_ids[i][:k], top_values[i][:k])) if k else [])
+    return [SampledToken(token, chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ())
             for i, (token, k) in enumerate(zip(tokens.tolist(), num_top))]
 
 

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from backend.engine.block_manager import BlockManager
-from backend.engine.lora import LoraSlotPool
+from backend.engine.lora_slots import LoraSlotPool
 from backend.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)

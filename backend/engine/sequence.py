@@ -1,13 +1,16 @@
-"""A request and its sequences (one per choice), with the state the scheduler and output processor share."""
+"""The engine core's data: a request on token ids and its sequences (one per choice), and what the core emits
+for them. No text here: tokenization and detokenization happen in backend/processing."""
 
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+
 import torch
 
-from backend.engine.lora import LoraAdapter
-from backend.engine.sampling_params import SamplingParams
+from backend.interface.parameters import SamplingParams
+from backend.layers.lora import LoraAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -16,22 +19,40 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class TokenLogprob:
+@dataclass(frozen=True)
+class SampledToken:
     token_id: int
-    token: str
-    logprob: float | None  # None for the first prompt token, which nothing predicts
-    top: list[tuple[int, str, float]]  # the most likely alternatives: (id, text, logprob)
+    logprob: float  # in the model's raw distribution
+    top: tuple[tuple[int, float], ...] = ()  # the requested number of most likely (token id, logprob)
+
+
+@dataclass
+class CoreRequest:
+    """A validated request as the core runs it (made by processing.InputProcessor)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens resolved against the context length
+    lora: LoraAdapter | None = None
+    grammar: Future | None = None  # the compiling matcher of a constrained request
+    sequences: list["Sequence"] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    prompt_hidden_states_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)
 
 
 class Sequence:
-    """One choice of a request: prompt + generated tokens, its KV blocks and what has been sent so far."""
+    """One choice of a request: prompt + generated tokens, its KV blocks and what it has not emitted yet."""
 
-    def __init__(self, request: "Request", index: int, prompt_token_ids: list[int], generator: torch.Generator):
+    def __init__(self, request: CoreRequest, index: int, generator: torch.Generator):
         self.request = request
         self.index = index
-        self.token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.full_block_keys: list[int] = []  # prefix-cache key of each full block, in order
@@ -39,21 +60,16 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache at first admission
         self.generator = generator
         self.grammar = None  # llguidance matcher of a constrained request (structured_output.py), else None
-        # output side
-        self.output_text = ""
-        self.num_sent_chars = 0
-        self.cumulative_logprob = 0.0
-        self.pending_logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: list[TokenLogprob] = []  # filled during prefill when requested
-        self.pending_hidden_states: list[torch.Tensor] = []  # [hidden] rows of tokens not yet sent
-        self.prompt_hidden_states: list[torch.Tensor] = []  # [rows, hidden] chunks, filled during prefill
-        self.pending_routed_experts: list[torch.Tensor] = []  # [MoE layers, top_k] expert ids of tokens not yet sent
         self.lora_slot = -1  # the adapter's slot in the LoRA pool while running; −1 = none (or not admitted)
         self.finish_reason: str | None = None
-        self.matched_stop: str | int | None = None  # the stop string / token id that ended it
-        # incremental detokenizer offsets (into token_ids)
-        self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
-        self.read_offset = self.num_prompt_tokens
+        self.stop_token_id: int | None = None  # the stop token (EOS included) that ended it
+        # not emitted yet
+        self.pending_tokens: list[SampledToken] = []
+        self.pending_hidden_states: list[torch.Tensor] = []  # [hidden] rows
+        self.pending_routed_experts: list[torch.Tensor] = []  # [MoE layers, top_k] expert ids
+        # filled during prefill when requested
+        self.prompt_logprobs: list[SampledToken] = []  # of prompt positions 1.. (position 0 has none)
+        self.prompt_hidden_states: list[torch.Tensor] = []  # [rows, hidden] chunks
 
     @property
     def params(self) -> SamplingParams:
@@ -78,7 +94,7 @@ class Sequence:
     @property
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and not all computed: its prompt must not come from the cache."""
-        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_prompt_hidden_states(self) -> int:
@@ -96,44 +112,26 @@ class Sequence:
 
 
 @dataclass
-class ChoiceDelta:
-    """What one choice produced since the last output."""
+class SequenceUpdate:
+    """What one sequence produced since its last update."""
 
     index: int
-    text: str
-    logprobs: list[TokenLogprob]
-    cumulative_logprob: float
-    num_output_tokens: int
-    finish_reason: str | None
-    matched_stop: str | int | None = None
+    tokens: list[SampledToken]
+    finish_reason: str | None  # None while it runs: length, stop (a stop token or a complete grammar), abort
+    stop_token_id: int | None = None  # the stop token that finished it, if one did
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # [hidden] per new token, when asked for
-    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [MoE layers, top_k] per new token, likewise
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [MoE layers, top_k] per new token
 
 
 @dataclass
-class RequestOutput:
+class CoreOutput:
+    """One request's news from one engine step."""
+
     request_id: str
-    choices: list[ChoiceDelta]
+    sequences: list[SequenceUpdate]
     num_prompt_tokens: int
     num_cached_tokens: int
-    finished: bool
+    finished: bool  # every sequence has finished in the core
     error: Exception | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None  # sent once, when the prompt has been processed
-    prompt_hidden_states: torch.Tensor | None = None  # [prompt tokens, hidden], sent once likewise
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | list[int] | list[dict]  # text, token ids or chat messages (see LLMEngine._tokenize)
-    params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    sequences: list[Sequence] = field(default_factory=list)
-    max_tokens: int = 0  # params.max_tokens resolved against the context length
-    prompt_logprobs_sent: bool = False
-    prompt_hidden_states_sent: bool = False
-    lora: LoraAdapter | None = None  # resolved from params.lora_path when the request is added
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.sequences)
+    prompt_logprobs: list[SampledToken] | None = None  # of prompt positions 1.., once the prompt is processed
+    prompt_hidden_states: torch.Tensor | None = None  # [prompt tokens, hidden], once likewise

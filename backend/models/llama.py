@@ -18,8 +18,8 @@ from safetensors import safe_open
 from torch import nn
 
 import kernels
-from backend.engine.attention import AttentionMetadata, paged_attention
-from backend.engine.lora import LayerLora
+from backend.layers.attention import AttentionMetadata, paged_attention
+from backend.layers.lora import LayerLora
 from backend.models.moe import SparseMoeMLP, expert_weights
 
 

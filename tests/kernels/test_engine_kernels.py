@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from backend.config import EngineConfig
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.sampling_params import SamplingParams
+from backend.llm_engine import LLMEngine
+from backend.interface.parameters import SamplingParams
 from engine_helpers import generate  # tests/ is on sys.path: tests/conftest.py's directory
 
 PROMPTS = ["The capital of France is", "def add(a, b):"]

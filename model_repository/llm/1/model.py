@@ -1,10 +1,14 @@
-"""Triton glue for the `llm` model. All logic lives in backend/ (importable without Triton).
+"""Triton glue for the `llm` model. All logic lives in backend/ (importable without Triton); this file runs
+the engine's parts on three threads:
 
-One thread, the responder, owns every response sender: it registers new requests, turns engine outputs into
-responses, polls cancellation and publishes metrics. No other thread touches a sender, and nothing touches one
-after its final response (tritonserver crashes in TRITONBACKEND_ResponseFactoryIsCancelled otherwise). Other
-threads reach the responder only through its mailbox. execute() parses and submits; the engine runs on its
-own thread (EngineLoop)."""
+- Triton's thread (execute): parses the tensors and processes the prompt (tokenizer, chat template, checks),
+  then submits token ids to the core;
+- the core thread (CoreLoop): schedules, runs the model and samples;
+- the responder: turns the core's token ids into text (OutputProcessor), and text into responses.
+
+The responder owns every response sender: it registers new requests, sends, polls cancellation and publishes
+metrics. No other thread touches a sender, and nothing touches one after its final response (tritonserver
+crashes in TRITONBACKEND_ResponseFactoryIsCancelled otherwise). Other threads reach it through its mailbox."""
 
 import json
 import logging
@@ -17,11 +21,14 @@ from dataclasses import dataclass, field
 import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
-from backend.engine.engine_loop import EngineLoop
-from backend.engine.sequence import RequestOutput
-from backend.errors import InvalidRequest, NotFound, Overloaded
+from backend.engine.core_loop import CoreLoop
+from backend.engine.sequence import CoreOutput
+from backend.interface.errors import Cancelled, RequestError, error_kind_of
+from backend.interface.tensors import INPUTS
+from backend.llm_engine import EngineParts
 from backend.parent_death import watch_parent
-from backend.triton_io import INPUT_NAMES, ResponseBuilder, parse_request
+from backend.processing.outputs import RequestOutput
+from backend.triton_io import ResponseBuilder, parse_request
 from backend.triton_metrics import EngineMetrics, LatencyTracker
 
 log = logging.getLogger("tritonllm.model")
@@ -35,6 +42,10 @@ def _guarded(work):
         work()
     except Exception:  # one request's trouble must not stop the responses of the others
         log.exception("responder work failed")
+
+
+def _triton_error(error: Exception) -> "pb_utils.TritonError":
+    return pb_utils.TritonError(str(error), getattr(pb_utils.TritonError, error_kind_of(error).wire.triton_code))
 
 
 @dataclass
@@ -56,12 +67,17 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("the llm model must use the decoupled transaction policy")
         parameters = {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
         self.metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        self.parts = EngineParts.create(EngineConfig.from_strings(parameters))
+        self.inputs = self.parts.inputs  # used on Triton's thread only
+        self.outputs = self.parts.outputs  # used on the responder thread only
         self.mailbox = queue.SimpleQueue()  # callables run on the responder thread; None stops it
         self.in_flight: dict[str, _InFlight] = {}  # owned by the responder thread
-        self.engine = EngineLoop(EngineConfig.from_strings(parameters),
-                                 on_output=lambda output: self.mailbox.put(lambda: self._on_output(output)))
+        self.core = CoreLoop(self.parts.core, on_outputs=lambda outputs: self.mailbox.put(
+            lambda: self._on_core_outputs(outputs)))
         self.responder = threading.Thread(target=self._respond, name="tritonllm-responder", daemon=True)
         self.responder.start()
+
+    # --- Triton's thread ----------------------------------------------------------------------------------------
 
     def execute(self, requests):
         for request in requests:
@@ -70,28 +86,31 @@ class TritonPythonModel:
 
     def _start(self, request):
         sender = request.get_response_sender()
-        try:
-            parsed = parse_request({name: self._input(request, name) for name in INPUT_NAMES})
-        except InvalidRequest as exc:
-            message = str(exc)  # `exc` is unbound once the except block ends
-            self.mailbox.put(lambda: self._fail(sender, message, pb_utils.TritonError.INVALID_ARG))
-            return
         request_id = uuid.uuid4().hex
-        # Registered before the engine sees it: the mailbox is FIFO, so its outputs arrive after this.
-        entry = _InFlight(sender, ResponseBuilder(parsed))
-        self.mailbox.put(lambda: self.in_flight.__setitem__(request_id, entry))
         try:
-            self.engine.submit(request_id, parsed.prompt, parsed.params)
-        except Overloaded as exc:
+            parsed = parse_request({name: self._input(request, name) for name in INPUTS})
+            core_request = self.inputs.process(request_id, parsed.prompt, parsed.params)
+        except Exception as exc:
+            if not isinstance(exc, RequestError):
+                log.exception("request %s could not be processed", request_id)
+            error = _triton_error(exc)
+            self.mailbox.put(lambda: self._send_final_error(sender, error))
+            return
+        # Registered before the core sees it: the mailbox is FIFO, so its outputs arrive after this.
+        entry = _InFlight(sender, ResponseBuilder(parsed))
+        self.mailbox.put(lambda: self._register(request_id, entry, core_request))
+        try:
+            self.core.submit(core_request)
+        except RequestError as exc:  # Overloaded
             output = RequestOutput(request_id, [], 0, 0, True, error=exc)
-            self.mailbox.put(lambda: self._on_output(output))
+            self.mailbox.put(lambda: self._respond_to(output))
 
     @staticmethod
     def _input(request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
-    # --- the responder thread ---------------------------------------------------------------------------------
+    # --- the responder thread -----------------------------------------------------------------------------------
 
     def _respond(self):
         next_poll = time.monotonic() + _POLL_INTERVAL_S
@@ -107,21 +126,29 @@ class TritonPythonModel:
                 _guarded(self._poll)
                 next_poll = time.monotonic() + _POLL_INTERVAL_S
 
-    def _on_output(self, output: RequestOutput):
+    def _register(self, request_id: str, entry: _InFlight, core_request):
+        self.in_flight[request_id] = entry
+        self.outputs.add_request(request_id, core_request.prompt_token_ids, core_request.params)
+
+    def _on_core_outputs(self, outputs: list[CoreOutput]):
+        for core_output in outputs:
+            output, stop = self.outputs.process(core_output)
+            if stop:  # stop strings ended these choices: the core still runs them
+                self.core.abort(core_output.request_id, stop)
+            if output is not None:
+                _guarded(lambda: self._respond_to(output))
+
+    def _respond_to(self, output: RequestOutput):
         entry = self.in_flight.get(output.request_id)
         if entry is None:  # already finished here (cancelled, or a failed send)
             return
         if output.choices:
             entry.latency.on_output(self.metrics)
         if output.error is not None:
-            code = (pb_utils.TritonError.INVALID_ARG if isinstance(output.error, InvalidRequest)
-                    else pb_utils.TritonError.NOT_FOUND if isinstance(output.error, NotFound)
-                    else pb_utils.TritonError.UNAVAILABLE if isinstance(output.error, Overloaded)
-                    else pb_utils.TritonError.INTERNAL)
-            self._finish(output.request_id, str(output.error), code)
+            self._finish(output.request_id, output.error)
             return
         if output.finished and any(c.finish_reason == "abort" for c in output.choices):
-            self._finish(output.request_id, "[cancelled] the request was cancelled", pb_utils.TritonError.CANCELLED)
+            self._finish(output.request_id, Cancelled("the request was cancelled"))
             return
         tensors = entry.builder.on_output(output)
         if tensors is None:
@@ -134,21 +161,22 @@ class TritonPythonModel:
             entry.sender.send(response, flags=_FINAL if output.finished else 0)
         except Exception as exc:
             log.warning("sending a response of request %s failed (%s); aborting it", output.request_id, exc)
-            self.engine.abort(output.request_id)
+            self.core.abort(output.request_id)
+            self.outputs.abort(output.request_id)
             if not output.finished:
-                self._finish(output.request_id, f"[internal] sending a response failed: {exc}",
-                             pb_utils.TritonError.INTERNAL)
+                self._finish(output.request_id, RuntimeError(f"sending a response failed: {exc}"))
 
-    def _finish(self, request_id: str, message: str, code):
+    def _finish(self, request_id: str, error: Exception):
         """End a request with an error response, its last."""
-        self._fail(self.in_flight.pop(request_id).sender, message, code)
+        self.outputs.abort(request_id)
+        self._send_final_error(self.in_flight.pop(request_id).sender, _triton_error(error))
 
     @staticmethod
-    def _fail(sender, message, code):
+    def _send_final_error(sender, error):
         try:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=_FINAL)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=_FINAL)
         except Exception:  # the client may be gone already
-            log.debug("could not send an error response: %s", message)
+            log.debug("could not send an error response: %s", error.message())
 
     def _poll(self):
         """Requests waiting for admission produce no outputs, so cancellation is polled here, once per interval
@@ -156,12 +184,13 @@ class TritonPythonModel:
         for request_id, entry in list(self.in_flight.items()):
             if entry.sender.is_cancelled():
                 log.info("request %s was cancelled by the client; aborting", request_id)
-                self.engine.abort(request_id)
-                self._finish(request_id, "[cancelled] the request was cancelled", pb_utils.TritonError.CANCELLED)
-        self.metrics.update(self.engine.stats)
+                self.core.abort(request_id)
+                self._finish(request_id, Cancelled("the request was cancelled"))
+        self.metrics.update(self.core.stats)
 
     def finalize(self):
         log.info("finalizing: finishing or aborting the requests in flight")
-        self.engine.shutdown()
+        self.core.shutdown()
+        self.parts.grammars.shutdown()
         self.mailbox.put(None)
         self.responder.join(timeout=10)

@@ -5,6 +5,7 @@ only writes the model repository, for a tritonserver run some other way (docker-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -15,28 +16,36 @@ import time
 from pathlib import Path
 
 from backend import launcher, model_files
+from backend.config import EngineConfig
+from backend.interface import settings
+from backend.interface.settings import setting
+from openai_adapter.settings import AdapterSettings
 
 log = logging.getLogger("tritonllm")
 
 READY_TIMEOUT_S = 600  # generous: a large model loading on a slow host
 
-# CLI option → Triton model parameter (backend/config.py EngineConfig field).
-ENGINE_OPTIONS = ("dtype", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_queue_len",
-                  "block_size", "max_loras", "max_lora_rank", "max_hidden_states_tokens")
-
-# CLI option → AdapterSettings field; unset (None or empty) keeps the adapter's own default.
-ADAPTER_OPTIONS = ("api_key", "max_body_bytes", "max_prompts", "max_n", "max_best_of", "max_tokens")
+# AdapterSettings that `serve` fills in itself (from where it starts tritonserver and what it serves).
+_DERIVED_ADAPTER_SETTINGS = ("triton_url", "triton_model", "lora_dir", "triton_metrics_url")
 
 
 class _Stop(Exception):
     """SIGINT/SIGTERM arrived: unwind and stop everything."""
 
 
-def _add_option(parser: argparse.ArgumentParser, name: str, default, help: str, **argument_options) -> None:
-    """--name, defaulting to $TRITONLLM_NAME, else `default` (argparse converts a string default with `type`)."""
-    env_name = "TRITONLLM_" + name.upper().replace("-", "_")
-    parser.add_argument(f"--{name}", default=os.environ.get(env_name, default), help=f"{help} [env {env_name}]",
-                        **argument_options)
+@dataclasses.dataclass(frozen=True)
+class ServeSettings:
+    """Where `tritonllm serve` runs things."""
+
+    host: str = setting("127.0.0.1", "adapter bind address")
+    port: int = setting(9000, "adapter port")
+    triton_host: str = setting("127.0.0.1", "tritonserver bind address")
+    http_port: int = setting(8000, "tritonserver HTTP port")
+    grpc_port: int = setting(8001, "tritonserver gRPC port")
+    metrics_port: int = setting(8002, "tritonserver metrics port")
+    log_level: str = setting("info", "log level of tritonllm and the adapter",
+                             choices=("critical", "error", "warning", "info", "debug"))
+    state_dir: str = setting("", "runtime files and logs; empty for ./.state (a temp dir if unwritable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,59 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser("prepare", help="convert the default GGUF model into the cache once")
     prepare.add_argument("--force", action="store_true", help="convert again even if already prepared")
 
-    serve = commands.add_parser("serve", help="run tritonserver and the OpenAI-compatible adapter",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _add_engine_options(serve)
-    _add_option(serve, "host", "127.0.0.1", "adapter bind address")
-    _add_option(serve, "port", 9000, "adapter port", type=int)
-    _add_option(serve, "triton-host", "127.0.0.1", "tritonserver bind address")
-    _add_option(serve, "http-port", 8000, "tritonserver HTTP port", type=int)
-    _add_option(serve, "grpc-port", 8001, "tritonserver gRPC port", type=int)
-    _add_option(serve, "metrics-port", 8002, "tritonserver metrics port", type=int)
-    _add_option(serve, "log-level", "info", "log level of tritonllm and the adapter",
-                choices=["critical", "error", "warning", "info", "debug"])
-    # "%(default).0s" keeps --help from printing a key taken from the environment
-    _add_option(serve, "api-key", None,
-                "require 'Authorization: Bearer <key>' on /v1 routes (unset: no auth)%(default).0s")
-    _add_option(serve, "max-body-bytes", None, "largest request body (unset: 4 MiB)", type=int)
-    _add_option(serve, "max-prompts", None, "prompts per request (unset: 64)", type=int)
-    _add_option(serve, "max-n", None, "largest n (unset: 16)", type=int)
-    _add_option(serve, "max-best-of", None, "largest best_of (unset: 16)", type=int)
-    _add_option(serve, "max-tokens", None, "largest max_tokens (unset: the context's)", type=int)
-    _add_option(serve, "state-dir", "", "runtime files and logs; empty for ./.state (a temp dir if unwritable)")
+    serve = commands.add_parser("serve", help="run tritonserver and the OpenAI-compatible adapter")
+    settings.add_options(serve, EngineConfig)
+    settings.add_options(serve, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
+    settings.add_options(serve, ServeSettings)
 
     repository = commands.add_parser(
-        "write-repository", help="write a model repository for running tritonserver yourself (e.g. in NGC)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "write-repository", help="write a model repository for running tritonserver yourself (e.g. in NGC)")
     repository.add_argument("repository", type=Path, help="folder to write llm/ into")
-    _add_engine_options(repository)
+    settings.add_options(repository, EngineConfig)
     return parser
-
-
-def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    _add_option(parser, "model", "", "HF model directory or .gguf file; empty for the default model")
-    _add_option(parser, "dtype", "auto", "weights/activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    _add_option(parser, "kv-cache-memory", "1GiB", "memory for the paged KV cache")
-    _add_option(parser, "max-num-seqs", 64, "sequences in the running batch", type=int)
-    _add_option(parser, "max-num-batched-tokens", 512, "token budget of one engine step", type=int)
-    _add_option(parser, "max-queue-len", 256, "waiting requests before new ones are refused", type=int)
-    _add_option(parser, "block-size", 16, "tokens per KV cache block", type=int)
-    _add_option(parser, "lora-dir", "", "directory of PEFT LoRA adapters, one per subdirectory (empty: LoRA off)")
-    _add_option(parser, "max-loras", 4, "LoRA adapters resident at once", type=int)
-    _add_option(parser, "max-lora-rank", 16, "largest LoRA rank accepted", type=int)
-    _add_option(parser, "max-hidden-states-tokens", 4096,
-                "most hidden states one request may ask for (choices x (max_tokens + echoed prompt tokens))", type=int)
 
 
 def _write_repository(args: argparse.Namespace, repository: Path) -> str:
     """Resolve (preparing if needed) the model and write the repository; returns the served model name."""
     log.info("preparing model…")
-    model_dir = model_files.resolve_model_path(args.model)
+    model_dir = model_files.resolve_model_path(args.model_path)
     log.info("model at %s", model_dir)
-    parameters = {"model_path": str(model_dir)}
-    parameters.update({name: str(getattr(args, name)) for name in ENGINE_OPTIONS})
-    parameters["lora_dir"] = _lora_dir(args.lora_dir)
-    launcher.write_model_repository(repository, parameters)
+    # tritonserver runs elsewhere: paths go absolute
+    config = settings.from_options(EngineConfig, args, model_path=str(model_dir), lora_dir=_lora_dir(args.lora_dir))
+    launcher.write_model_repository(repository, config.to_strings())
     return model_files.served_model_name(model_dir)
 
 
@@ -183,14 +159,13 @@ def serve(args: argparse.Namespace) -> int:
 
 def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_name: str) -> None:
     from openai_adapter.app import run
-    from openai_adapter.settings import AdapterSettings
 
-    overrides = {name: getattr(args, name) for name in ADAPTER_OPTIONS if getattr(args, name) not in (None, "")}
-    settings = AdapterSettings(triton_url=server.grpc_url, triton_model=launcher.MODEL_NAME,
-                               served_model_name=model_name, lora_dir=_lora_dir(args.lora_dir) or None,
-                               triton_metrics_url=f"http://{server.host}:{server.metrics_port}/metrics", **overrides)
+    adapter_settings = settings.from_options(
+        AdapterSettings, args, triton_url=server.grpc_url, triton_model=launcher.MODEL_NAME,
+        served_model_name=model_name, lora_dir=_lora_dir(args.lora_dir) or None,
+        triton_metrics_url=f"http://{server.host}:{server.metrics_port}/metrics")
     log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, model_name)
-    run(settings, args.host, args.port, args.log_level)
+    run(adapter_settings, args.host, args.port, args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,27 @@
+"""The engine's Triton custom metrics (tritonserver's metrics port): names, help and what they come from.
+The adapter reads some of them back (loaded LoRA adapters, the engine's load)."""
+
+# EngineStats field → (metric name, help)
+GAUGES = {
+    "running": ("tritonllm:num_requests_running", "Sequences in the running batch"),
+    "waiting": ("tritonllm:num_requests_waiting", "Sequences waiting for admission"),
+    "free_blocks": ("tritonllm:kv_cache_free_blocks", "Free blocks of the paged KV cache"),
+    "total_blocks": ("tritonllm:kv_cache_total_blocks", "Blocks of the paged KV cache"),
+    "prefix_cache_hit_rate": ("tritonllm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"),
+}
+COUNTERS = {
+    "prompt_tokens": ("tritonllm:prompt_tokens_total", "Prompt tokens of admitted requests"),
+    "generated_tokens": ("tritonllm:generation_tokens_total", "Generated tokens"),
+    "preemptions": ("tritonllm:preemptions_total", "Sequences preempted to free KV blocks"),
+}
+
+
+LORA_LOADED = ("tritonllm:lora_adapter_loaded",
+               "1 while the LoRA adapter (label adapter) holds a slot of the pool, 0 once evicted")
+
+HISTOGRAMS = {
+    "time_to_first_token": ("tritonllm:time_to_first_token_seconds", "Time from arrival to the first token",
+                            [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+    "inter_token": ("tritonllm:inter_token_latency_seconds", "Time between a request's consecutive outputs",
+                    [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]),
+}

@@ -1,0 +1,13 @@
+"""The Triton tensor interface of model `llm` by name (model_repository/llm/config.pbtxt declares the same
+tensors; a test checks they agree). Compatible with Triton's vllm_backend; its clients work unchanged."""
+
+PROMPT_INPUTS = ("text_input", "input_ids", "messages")  # exactly one carries the prompt
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+                "return_num_output_tokens", "return_num_cached_tokens", "return_matched_stop")
+INPUTS = PROMPT_INPUTS + ("stream", "sampling_parameters", "exclude_input_in_output") + RETURN_FLAGS
+
+OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
+           "num_cached_tokens", "matched_stop", "prompt_logprobs", "hidden_states", "prompt_hidden_states",
+           "routed_experts")
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # roles the `messages` input accepts

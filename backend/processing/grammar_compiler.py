@@ -1,0 +1,89 @@
+"""Compiling constraints (`json_schema`, `regex`, `ebnf`) into llguidance matchers, off the engine core's thread.
+
+A small thread pool compiles each constraint into a matcher in its initial state; a bounded cache keyed by the
+grammar text means a repeated schema is compiled once, and requests that arrive while it compiles share that one
+compile. The core waits for the future and gives each sequence its own copy (engine/structured_output.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import llguidance
+import llguidance.hf
+from llguidance import LLMatcher
+
+from backend.interface.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+# llguidance's grammar formats for the text constraints (json_schema compiles with options of its own).
+# "grammar" takes Lark or GBNF syntax.
+_FORMATS = {"regex": "regex", "ebnf": "grammar"}
+# Compact JSON (", " and ": " separators, no free whitespace): a small model given free whitespace may spend its
+# token budget on blank lines.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class GrammarCompiler:
+    """Compiles constraints into matchers on worker threads, with an LRU cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], cache_size: int = 256,
+                 workers: int = 2):
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer = None  # built on first use (about a second): unconstrained servers never pay for it
+        self._tokenizer_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonllm-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache_size = cache_size
+        self._cache_lock = threading.Lock()
+
+    def compile(self, name: str, text: str) -> Future:
+        """A future of the constraint's matcher in its initial state (copy it before use); it fails with
+        InvalidRequest naming `name` when the grammar is invalid."""
+        key = (name, text)
+        with self._cache_lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._pool.submit(self._build, name, text)
+                self._cache[key] = future
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        return future
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                try:
+                    # n_vocab: masks must cover every logit, including padding entries the tokenizer lacks
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids)
+                except ValueError as error:  # e.g. a slow (Python) tokenizer
+                    raise InvalidRequest(f"this model's tokenizer cannot be used for constrained decoding: {error}")
+            return self._ll_tokenizer
+
+    def _build(self, name: str, text: str) -> LLMatcher:
+        started = time.perf_counter()
+        try:
+            if name == "json_schema":
+                grammar = LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+            else:
+                grammar = llguidance.grammar_from(_FORMATS[name], text)
+        except ValueError as error:
+            raise InvalidRequest(f"invalid {name}: {error}", param=name) from None
+        matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"invalid {name}: {matcher.get_error()}", param=name)
+        log.info("compiled a %s constraint (%d chars) in %.1f ms", name, len(text),
+                 (time.perf_counter() - started) * 1e3)
+        return matcher

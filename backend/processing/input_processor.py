@@ -1,0 +1,127 @@
+"""Turns a prompt and its parameters into a `CoreRequest` for the engine core, off the core's thread:
+tokenization or the model's chat template, the checks that need the model (context length, vocabulary, what the
+model supports), the LoRA adapter's files, and the start of the constraint's grammar compile.
+
+Owned by one thread (Triton's execute(), or LLMEngine's caller); it has its own tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from backend.config import EngineConfig
+from backend.engine.engine_core import ModelLimits
+from backend.engine.sequence import CoreRequest
+from backend.interface.errors import InvalidRequest
+from backend.interface.parameters import SamplingParams
+from backend.layers.lora import LoraAdapter
+from backend.processing.grammar_compiler import GrammarCompiler
+from backend.processing.lora_files import AdapterDirectory
+
+
+def load_tokenizer(model_dir: Path):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
+    """EOS ids from the generation config, the model config and the tokenizer."""
+    ids = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, limits: ModelLimits, tokenizer, grammars: GrammarCompiler):
+        self.config = config
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.grammars = grammars
+        self.adapters = AdapterDirectory(config.lora_dir, limits.arch, config.max_lora_rank) if config.lora_dir \
+            else None
+        self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # recently used adapters, read once
+
+    def process(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams) -> CoreRequest:
+        """Raises InvalidRequest (or NotFound, for an unknown adapter) naming what is wrong."""
+        prompt_token_ids = self._tokenize(prompt)
+        prompt_len, capacity = len(prompt_token_ids), self.limits.capacity
+        if prompt_len >= capacity:
+            raise InvalidRequest(f"the prompt has {prompt_len} tokens; this model accepts at most {capacity - 1}")
+        max_tokens = capacity - prompt_len if params.max_tokens is None else params.max_tokens
+        if prompt_len + max_tokens > capacity:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
+                f"of {capacity} tokens", "max_tokens")
+        self._check_token_ids(params)
+        self._check_extensions(params, prompt_len, max_tokens)
+        lora = self._adapter(params.lora_path)
+        grammar = None if params.constraint is None else self.grammars.compile(*params.constraint)
+        return CoreRequest(request_id, prompt_token_ids, params, max_tokens, lora, grammar)
+
+    def _tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """Token ids of a text, token-id or chat-messages prompt."""
+        if prompt and isinstance(prompt[0], dict):
+            # The rendered template carries its own special tokens (BOS included where the model has one).
+            token_ids = self.tokenizer.encode(self._render_chat(prompt), add_special_tokens=False)
+        elif isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            bad = [t for t in token_ids if not 0 <= t < self.limits.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty")
+        return token_ids
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        """The model's own chat template applied to the messages, ready for the assistant's answer."""
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest(f"the model {self.limits.name} has no chat template: send text_input or "
+                                 "input_ids instead of messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as error:  # templates may raise on their own, e.g. on an unexpected role order
+            raise InvalidRequest(f"the chat template rejected the messages: {error}") from None
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.limits.vocab_size
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in token_ids if t >= vocab]
+            if bad:
+                raise InvalidRequest(f"{name} has token id {bad[0]}, outside the vocabulary [0, {vocab})", name)
+
+    def _check_extensions(self, params: SamplingParams, prompt_len: int, max_tokens: int) -> None:
+        if params.return_routed_experts and not self.limits.is_moe:
+            raise InvalidRequest(f"the model {self.limits.name} has no experts (dense Llama): "
+                                 "return_routed_experts needs a mixture-of-experts model", "return_routed_experts")
+        if params.return_hidden_states or params.return_prompt_hidden_states:
+            per_choice = (max_tokens if params.return_hidden_states else 0) + \
+                (prompt_len if params.return_prompt_hidden_states else 0)
+            rows = per_choice * params.num_sequences
+            if rows > self.config.max_hidden_states_tokens:
+                raise InvalidRequest(
+                    f"return_hidden_states would return {rows} hidden states (choices × (max_tokens + echoed prompt "
+                    f"tokens)); this server's max_hidden_states_tokens is {self.config.max_hidden_states_tokens}: "
+                    "lower max_tokens or n", "return_hidden_states")
+
+    def _adapter(self, lora_path: str | None) -> LoraAdapter | None:
+        """The request's LoRA adapter, read from its files on first use (then kept among the recent ones)."""
+        if lora_path is None:
+            return None
+        if self.adapters is None:
+            raise InvalidRequest("LoRA adapters are not enabled on this server (no lora_dir)", "lora_path")
+        name = self.adapters.resolve(lora_path)
+        adapter = self._loaded.pop(name, None) or self.adapters.load(name)
+        self._loaded[name] = adapter
+        while len(self._loaded) > self.config.max_loras:
+            self._loaded.popitem(last=False)
+        return adapter

@@ -1,0 +1,5 @@
+import sys
+
+from tritonllm.cli import main
+
+sys.exit(main())
