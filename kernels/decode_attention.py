@@ -103,8 +103,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """cache [blocks, block_size, kv_heads, head_dim], block_table [..., n] → [..., kv_heads, n * block_size, dim]."""
-    gathered = cache[block_table]  # whole blocks: contiguous copies
-    gathered = gathered.flatten(-4, -3)  # [..., n * block_size, kv_heads, head_dim]
+    # whole blocks, one contiguous copy each (index_select: several times cheaper than advanced indexing on CPU)
+    gathered = cache.index_select(0, block_table.reshape(-1))
+    gathered = gathered.view(*block_table.shape[:-1], -1, *cache.shape[2:])  # [..., n * block_size, kv_heads, dim]
     return gathered.transpose(-3, -2)
 
 

@@ -47,7 +47,5 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     if residual is not None:
         x = x + residual
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * x32.to(x.dtype)
+    out = weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # normalized in fp32
     return out if residual is None else (out, x)

@@ -11,8 +11,8 @@ import pytest
 
 from backend.model_files import prepare_default_model
 from lora_helpers import write_random_adapter
-from stack_helpers import (STACK_LORA_ADAPTERS, STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, Stack, StackProcess,
-                           check_stack_survived, running_stack)
+from stack_helpers import (EXACT_OPTIONS, STACK_LORA_ADAPTERS, STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, Stack,
+                           StackProcess, check_stack_survived, running_stack)
 
 STACK_KV_CACHE_MEMORY = "128MiB"  # ~2,900 tokens of SmolLM2-135M KV in float32: keeps the test stack light
 
@@ -34,7 +34,7 @@ def stack_lora_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture(scope="session")
 def stack_process(default_model_dir: Path, stack_lora_dir: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProcess]:
-    with running_stack(default_model_dir, tmp_path_factory.mktemp("stack"),
+    with running_stack(default_model_dir, tmp_path_factory.mktemp("stack"), *EXACT_OPTIONS,
                        "--kv-cache-memory", STACK_KV_CACHE_MEMORY,
                        "--max-num-seqs", str(STACK_MAX_NUM_SEQS), "--max-queue-len", str(STACK_MAX_QUEUE_LEN),
                        "--lora-dir", str(stack_lora_dir), "--max-loras", "1", lora_dir=stack_lora_dir) as started:

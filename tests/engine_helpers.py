@@ -11,6 +11,9 @@ from backend.processing.outputs import RequestOutput
 
 _ids = itertools.count()
 
+# Engines compared token for token with transformers run in float32 whatever the machine would pick.
+EXACT = {"dtype": "float32", "weight_format": "float32"}
+
 
 @dataclass
 class Result:

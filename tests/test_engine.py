@@ -14,7 +14,7 @@ from backend.engine.core_loop import CoreLoop
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
 from backend.llm_engine import LLMEngine, Request
-from engine_helpers import assert_idle, generate
+from engine_helpers import EXACT, assert_idle, generate
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 PROMPTS = [
@@ -29,7 +29,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=64 << 20,
+    return LLMEngine(EngineConfig(model_path=str(default_model_dir), **EXACT, kv_cache_memory=64 << 20,
                                   max_num_batched_tokens=48))
 
 
@@ -139,7 +139,8 @@ def test_abort_frees_blocks_and_reports_abort(engine):
 @pytest.fixture(scope="module")
 def small_uncached_engine(default_model_dir, engine) -> LLMEngine:
     """13 blocks of 16 tokens: far too few for the six PROMPTS at once, enough for each alone."""
-    return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=13 * engine.core.runner.bytes_per_block,
+    return LLMEngine(EngineConfig(model_path=str(default_model_dir), **EXACT,
+                                  kv_cache_memory=13 * engine.core.runner.bytes_per_block,
                                   max_num_batched_tokens=48, enable_prefix_caching=False))
 
 

@@ -11,7 +11,7 @@ from backend.llm_engine import LLMEngine
 from backend.interface.parameters import SamplingParams
 from backend.llm_engine import Request
 from backend.interface.errors import InvalidRequest, NotFound
-from engine_helpers import generate
+from engine_helpers import EXACT, generate
 from lora_helpers import merged_model, write_random_adapter
 
 PROMPT = "The capital of France is"
@@ -29,7 +29,7 @@ def adapters_dir(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir, adapters_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=64 << 20,
+    return LLMEngine(EngineConfig(model_path=str(default_model_dir), **EXACT, kv_cache_memory=64 << 20,
                                   max_num_batched_tokens=256, lora_dir=str(adapters_dir), max_loras=2,
                                   max_lora_rank=8, max_hidden_states_tokens=200))
 

@@ -13,7 +13,7 @@ from backend.llm_engine import LLMEngine
 from backend.interface.parameters import SamplingParams
 from backend.llm_engine import Request
 from backend.models.llama import LlamaForCausalLM
-from engine_helpers import generate
+from engine_helpers import EXACT, generate
 from moe_helpers import num_moe_layers, tiny_moe_config, write_tiny_moe
 
 PROMPTS = ["The capital of France is", "Write a short story about a lighthouse keeper and a storm. " * 3]
@@ -38,7 +38,7 @@ def reference(moe_dir) -> PreTrainedModel:
 @pytest.fixture(scope="module")
 def engine(moe_dir) -> LLMEngine:
     # block_size 4 and a 16-token budget: prompts span several blocks and prefill in chunks
-    return LLMEngine(EngineConfig(model_path=str(moe_dir), dtype="float32", kv_cache_memory=4 << 20,
+    return LLMEngine(EngineConfig(model_path=str(moe_dir), **EXACT, kv_cache_memory=4 << 20,
                                   block_size=4, max_num_batched_tokens=16))
 
 

@@ -9,7 +9,7 @@ from openai import OpenAI
 from transformers import AutoTokenizer, MixtralForCausalLM
 
 from moe_helpers import tiny_moe_config, write_tiny_moe
-from stack_helpers import running_stack
+from stack_helpers import EXACT_OPTIONS, running_stack
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 5
@@ -23,7 +23,8 @@ def mixtral_dir(tmp_path_factory, default_model_dir):
 
 @pytest.fixture(scope="module")
 def moe_stack(mixtral_dir, tmp_path_factory):
-    with running_stack(mixtral_dir, tmp_path_factory.mktemp("moe-stack"), "--kv-cache-memory", "4MiB") as process:
+    with running_stack(mixtral_dir, tmp_path_factory.mktemp("moe-stack"), *EXACT_OPTIONS,
+                       "--kv-cache-memory", "4MiB") as process:
         yield process.stack
 
 

@@ -18,7 +18,7 @@ from backend.llm_engine import LLMEngine
 from backend.interface.parameters import SamplingParams
 from backend.llm_engine import Request
 from backend.interface.errors import InvalidRequest
-from engine_helpers import assert_idle, generate
+from engine_helpers import EXACT, assert_idle, generate
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 PROMPTS = ["The capital of France is", "My phone number is", "1, 2, 3, 4,", "Once upon a time"]
@@ -26,7 +26,7 @@ PROMPTS = ["The capital of France is", "My phone number is", "1, 2, 3, 4,", "Onc
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=64 << 20,
+    return LLMEngine(EngineConfig(model_path=str(default_model_dir), **EXACT, kv_cache_memory=64 << 20,
                                   max_num_batched_tokens=64))
 
 

@@ -13,7 +13,8 @@ from backend.layers.attention import AttentionMetadata, PrefillChunk
 from backend.engine.lora_slots import LoraSlotPool
 from backend.engine.scheduler import ScheduledSequence
 from backend.engine.sequence import Sequence
-from backend.models.llama import LlamaForCausalLM
+from backend.layers.linear import candidates, choose_format
+from backend.models.llama import LlamaForCausalLM, read_q4_1_blocks
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +54,38 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The activation dtype asked for; None on the CPU with auto: the weight format decides."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else None
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r} (choose from auto, {', '.join(_DTYPES)})")
     return _DTYPES[name]
 
 
+def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> tuple[LlamaForCausalLM, str]:
+    """The model with its projections in the configured weight format (on the CPU, auto: the fastest exact or
+    near-exact one, measured); returns it with a description of the format."""
+    dtype = resolve_dtype(config.dtype, device)
+    if device.type != "cpu":
+        if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
+            raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
+        return LlamaForCausalLM.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch.float32, device)
+    q4 = read_q4_1_blocks(model_dir, model.arch)
+    options = candidates(config.weight_format, dtype, has_q4=q4 is not None)
+    choice = choose_format(options, model.projection_weights(0), None if q4 is None else q4[0],
+                           model.head_weight())
+    model.use_weight_format(choice, q4)
+    return model.to(choice.dtype), choice.describe()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path):
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, self.dtype, self.device)
+        self.model, self.weight_format = load_model(config, model_dir, self.device)
+        self.dtype = self.model.embed_tokens.weight.dtype
         arch = self.model.arch
         block_shape = (self.block_size, arch.num_kv_heads, arch.head_dim)
         self.bytes_per_block = (2 * arch.num_layers * self.block_size * arch.num_kv_heads * arch.head_dim
@@ -80,8 +99,8 @@ class ModelRunner:
              torch.zeros(self.num_blocks, *block_shape, dtype=self.dtype, device=self.device))
             for _ in range(arch.num_layers)
         ]
-        log.info("model on %s (%s); KV cache: %d blocks of %d tokens (%.0f MiB)", self.device, self.dtype,
-                 self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
+        log.info("model on %s, weights %s; KV cache: %d blocks of %d tokens (%.0f MiB)", self.device,
+                 self.weight_format, self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
         if config.lora_dir and arch.is_moe:
             raise ValueError("LoRA adapters are supported on dense models only; this model has experts "
                              "(leave lora_dir empty)")

@@ -15,12 +15,15 @@ from backend.engine.structured_output import BitmaskFiller
 from kernels import apply_logit_bias, apply_penalties, apply_token_bitmask, filter_probs
 
 
-def score(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[SampledToken]:
-    """Each row's logprob of its token, with the row's num_top most likely alternatives."""
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+def score(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[SampledToken]:
+    """Each row's logprob of its token under softmax(logits), with the row's num_top most likely alternatives.
+    Only the log-normalizer is computed for the whole vocabulary, not every logprob."""
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, tokens.unsqueeze(1)) - normalizer).squeeze(1).tolist()
     top_values = top_ids = []
     if max(num_top, default=0):
-        top_values, top_ids = (t.tolist() for t in logprobs.topk(max(num_top), dim=-1))
+        values, ids = logits.topk(max(num_top), dim=-1)
+        top_values, top_ids = (values - normalizer).tolist(), ids.tolist()
     return [SampledToken(token, chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ())
             for i, (token, k) in enumerate(zip(tokens.tolist(), num_top))]
 
@@ -38,7 +41,7 @@ class Sampler:
         self.bitmasks = BitmaskFiller(vocab_size)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        logprobs = torch.log_softmax(logits, dim=-1)
+        raw = logits
         logits = self._adjust(logits, seqs)
         chosen = logits.argmax(dim=-1)
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -59,7 +62,7 @@ class Sampler:
                 )
             chosen[rows] = sample_from(probs, uniforms)
 
-        return score(logprobs, chosen, [seq.params.logprobs or 0 for seq in seqs])
+        return score(raw, chosen, [seq.params.logprobs or 0 for seq in seqs])
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """min_tokens bans, logit_bias, penalties and grammars; returns logits unchanged (not copied) when none

@@ -19,7 +19,9 @@ from torch import nn
 
 import kernels
 from backend.layers.attention import AttentionMetadata, paged_attention
+from backend.layers.linear import Choice, Q4Weight
 from backend.layers.lora import LayerLora
+from backend.model_files import Q4_1_FILE
 from backend.models.moe import SparseMoeMLP, expert_weights
 
 
@@ -146,9 +148,9 @@ class RotaryEmbedding:
         freqs = torch.outer(positions, rope_inverse_frequencies(arch).to(device))
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Rotates q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in place."""
-        kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
+    def for_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's (cos, sin) rows: gathered once per step, shared by every layer."""
+        return self.cos[positions], self.sin[positions]
 
 
 class LlamaAttention(nn.Module):
@@ -163,7 +165,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
-    def forward(self, positions, hidden, meta, k_cache, v_cache, rotary: RotaryEmbedding, lora: LayerLora | None):
+    def forward(self, rope, hidden, meta, k_cache, v_cache, lora: LayerLora | None):
         tokens = hidden.shape[0]
         q, k, v = _project(self.qkv_proj, "qkv_proj", hidden, lora).split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -171,7 +173,7 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rotary(positions, q, k)
+        kernels.rotary_embedding(q, k, *rope)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return _project(self.o_proj, "o_proj", out.reshape(tokens, -1), lora)
 
@@ -203,7 +205,7 @@ class LlamaDecoderLayer(nn.Module):
                                  arch.num_experts_per_tok, arch.norm_topk_prob)
                     if index in arch.moe_layers else LlamaMLP(arch))
 
-    def forward(self, positions, hidden, residual, meta, k_cache, v_cache, rotary, lora, routed_experts):
+    def forward(self, rope, hidden, residual, meta, k_cache, v_cache, lora, routed_experts):
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
         Carrying the two apart lets each residual add fuse into the norm that follows it. A MoE layer appends
         its tokens' chosen expert ids to routed_experts when that is a list."""
@@ -211,7 +213,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, k_cache, v_cache, rotary, lora)
+        hidden = self.self_attn(rope, hidden, meta, k_cache, v_cache, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if not isinstance(self.mlp, SparseMoeMLP):
             return self.mlp(hidden, lora), residual
@@ -242,8 +244,9 @@ class LlamaForCausalLM(nn.Module):
         routed_experts: a list to receive, per MoE layer in order, the expert ids each token was routed to
         ([tokens, top_k]); None: not recorded."""
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.for_positions(positions)
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            hidden, residual = layer(positions, hidden, residual, meta, k_cache, v_cache, self.rotary,
+            hidden, residual = layer(rope, hidden, residual, meta, k_cache, v_cache,
                                      None if lora is None else lora[index], routed_experts)
         return residual + hidden
 
@@ -259,8 +262,32 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def logits_of_normed(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head over hidden states after the final norm."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(normed, weight).float()
+        if self.lm_head is None:  # tied, in its loaded form
+            return F.linear(normed, self.embed_tokens.weight).float()
+        return self.lm_head(normed).float()
+
+    def projection_weights(self, layer: int) -> list[torch.Tensor]:
+        """One layer's dense projection weights (what choose_format times)."""
+        attn, mlp = self.layers[layer].self_attn, self.layers[layer].mlp
+        return [attn.qkv_proj.weight, attn.o_proj.weight] + \
+            ([mlp.gate_up_proj.weight, mlp.down_proj.weight] if isinstance(mlp, LlamaMLP) else [])
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def use_weight_format(self, choice: Choice, q4: dict[int, list[Q4Weight]] | None) -> None:
+        """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
+        q4: per layer, the Q4_1 blocks of projection_weights(layer), for int4."""
+        for index, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            owners = [(attn, "qkv_proj"), (attn, "o_proj")]
+            if isinstance(mlp, LlamaMLP):
+                owners += [(mlp, "gate_up_proj"), (mlp, "down_proj")]
+            for (owner, name), blocks in zip(owners, q4[index] if q4 else [None] * len(owners)):
+                linear = getattr(owner, name)
+                setattr(owner, name, choice.make(linear.weight, linear.bias, blocks))
+        self.lm_head = choice.make_head(self.head_weight())
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
@@ -273,6 +300,29 @@ class LlamaForCausalLM(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         model.rotary = RotaryEmbedding(arch, device)
         return model
+
+
+def read_q4_1_blocks(model_dir: Path, arch: LlamaArchitecture) -> dict[int, list[Q4Weight]] | None:
+    """The converted GGUF's Q4_1 blocks of every dense layer's fused projections (as projection_weights orders
+    them), or None when the checkpoint has no complete set."""
+    path = Path(model_dir) / Q4_1_FILE
+    if not path.is_file() or arch.is_moe:
+        return None
+    with safe_open(str(path), framework="pt") as handle:
+        names = set(handle.keys())
+
+        def blocks(name: str) -> Q4Weight | None:
+            keys = [f"model.layers.{name}.weight.{part}" for part in "qdm"]
+            return Q4Weight(*(handle.get_tensor(key) for key in keys)) if keys[0] in names else None
+
+        layers = {}
+        for i in range(arch.num_layers):
+            parts = [[blocks(f"{i}.self_attn.{p}_proj") for p in "qkv"], [blocks(f"{i}.self_attn.o_proj")],
+                     [blocks(f"{i}.mlp.gate_proj"), blocks(f"{i}.mlp.up_proj")], [blocks(f"{i}.mlp.down_proj")]]
+            if any(block is None for fused in parts for block in fused):
+                return None
+            layers[i] = [Q4Weight.concat(fused) for fused in parts]
+    return layers
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -48,8 +48,11 @@ def test_rotary_embedding_in_place_on_strided_views(dtype, heads, kv_heads, head
     cos, sin = angles.cos(), angles.sin()
     positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
     q_ref, k_ref = q.clone(), k.clone()
-    rotary_embedding_triton(positions, q, k, cos, sin)
-    rotary_embedding_reference(positions, q_ref, k_ref, cos, sin)
+    expected_first = q_ref[..., :head_dim // 2].float() * cos[positions].unsqueeze(1) \
+        - q_ref[..., head_dim // 2:].float() * sin[positions].unsqueeze(1)  # the rotation's definition
+    rotary_embedding_triton(q, k, cos[positions], sin[positions])
+    rotary_embedding_reference(q_ref, k_ref, cos[positions], sin[positions])
+    torch.testing.assert_close(q_ref[..., :head_dim // 2].float(), expected_first, **TOLERANCES[dtype])
     torch.testing.assert_close(q, q_ref, **TOLERANCES[dtype])
     torch.testing.assert_close(k, k_ref, **TOLERANCES[dtype])
 

@@ -1,0 +1,224 @@
+"""The model's projections and LM head in a weight format, and choosing the format by measurement.
+
+On a CPU the matmuls are most of a step, and which format is fastest depends on the machine: fp32 through
+oneDNN (prepacked) beats MKL's small-batch sgemm on some CPUs; bf16 weights and activations, and the int8 / int4
+weight-only kernels, are fast only on CPUs with bf16 hardware (AVX512-BF16, AMX) and much slower without it.
+`choose_format` times the candidates on the model's own layer shapes at load and keeps the fastest one that is
+exact or near-exact for the checkpoint:
+
+| format | weights | activations | numerics |
+|---|---|---|---|
+| float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact |
+| bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) |
+| int4 | the checkpoint's own Q4_1 blocks (scale d, zero m + 8d per 32 weights) | bf16 | the shipped 4-bit weights, d and m rounded to bf16 |
+| int8 | per-output-channel int8 (a quantization of the checkpoint) | bf16 | lossy: chosen only when asked for |
+
+With int4 the LM head (the tied embedding, a Q8_0 tensor in the GGUF) stays bf16; with int8 it is int8 too."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.config import WEIGHT_FORMATS
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP = 32  # Q4_1's block size, and the int4 kernel's group
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU computes in bf16 natively (otherwise bf16 matmuls are emulated, several times slower)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A projection's weights as Q4_1 blocks along the input dimension: w = d · q + m."""
+
+    q: torch.Tensor  # [out, in] uint8 in 0..15
+    d: torch.Tensor  # [out, in / 32] float16
+    m: torch.Tensor  # [out, in / 32] float16
+
+    @staticmethod
+    def concat(parts: list["Q4Weight"]) -> "Q4Weight":
+        """Fused projections (qkv, gate_up) concatenate their parts' output rows."""
+        return Q4Weight(*(torch.cat([getattr(p, name) for p in parts]) for name in ("q", "d", "m")))
+
+
+class Projection(nn.Module):
+    """y = x @ W.T (+ bias) for one weight format and kernel; replaces an nn.Linear after loading."""
+
+    def __init__(self, bias: torch.Tensor | None):
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in]
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseProjection(Projection):
+    """fp32 or bf16 weights through aten (MKL on the CPU, cuBLAS on CUDA)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class OneDNNProjection(Projection):
+    """fp32 or bf16 weights prepacked into oneDNN's blocked layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class Int8Projection(Projection):
+    """int8 weights with one scale per output channel, activations in bf16 (or fp32)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(bias)
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.weight = (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        self.scales = scales.to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+
+class Int4Projection(Projection):
+    """Q4_1 weights in torch's int4 CPU layout: w = (q − 8) · d + (m + 8d) per group of 32 inputs."""
+
+    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(bias)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 2)
+        d, m = weight.d.float(), weight.m.float()
+        self.scales_and_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A weight format, the activation dtype it runs with, and its kernel."""
+
+    weight_format: str
+    dtype: torch.dtype
+    kernel: str  # aten, onednn, int8, int4
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Weight | None = None) -> Projection:
+        """A projection of fp32 `weight` (or of its Q4_1 blocks, for int4)."""
+        bias = None if bias is None else bias.to(self.dtype)
+        if self.kernel == "int4":
+            return Int4Projection(q4, bias, self.dtype)
+        if self.kernel == "int8":
+            return Int8Projection(weight, bias, self.dtype)
+        weight = weight.to(self.dtype)
+        return OneDNNProjection(weight, bias) if self.kernel == "onednn" else DenseProjection(weight, bias)
+
+    def make_head(self, weight: torch.Tensor) -> Projection:
+        """The LM head: int4 has no Q4_1 blocks for it, so it runs as bf16 (near-exact) instead."""
+        if self.kernel == "int4":
+            return Choice("bfloat16", self.dtype, "onednn" if _onednn_available() else "aten").make(weight, None)
+        return self.make(weight, None)
+
+    def describe(self) -> str:
+        return f"{self.weight_format} ({self.kernel} kernel, {str(self.dtype).removeprefix('torch.')} activations)"
+
+
+def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[Choice]:
+    """What `requested` may run as on the CPU; `dtype` None lets the format choose the activations."""
+    if requested not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight_format {requested!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+    bf16_hw = cpu_has_bf16()
+    if requested == "auto":
+        formats = ["float32"] + (["bfloat16"] + (["int4"] if has_q4 else []) if bf16_hw else [])
+    else:
+        formats = [requested]
+    if "int4" in formats and not has_q4:
+        raise ValueError("weight_format int4 serves a checkpoint's Q4_1 weights; this model has none (it was not "
+                         "converted from a Q4_1 GGUF)")
+    choices = []
+    for weight_format in formats:
+        if weight_format == "float32":
+            act = torch.float32
+        elif weight_format == "bfloat16":
+            act = torch.bfloat16
+        else:  # the int kernels: bf16 activations where the CPU has bf16 hardware
+            act = dtype or (torch.bfloat16 if bf16_hw else torch.float32)
+        if dtype is not None and act != dtype:
+            if requested != "auto":
+                raise ValueError(f"weight_format {weight_format} needs {act} activations, not dtype {dtype}")
+            continue
+        kernels = [weight_format] if weight_format in ("int8", "int4") else \
+            ["aten"] + (["onednn"] if _onednn_available() else [])
+        choices += [Choice(weight_format, act, kernel) for kernel in kernels]
+    return choices
+
+
+def choose_format(options: list[Choice], layer_weights: list[torch.Tensor], layer_q4: list[Q4Weight] | None,
+                  head_weight: torch.Tensor) -> Choice:
+    """The fastest option for one layer's projections + the LM head, timed at 1 and 16 tokens (one step of
+    each), logged with the figures. One option is not timed."""
+    if len(options) == 1:
+        return options[0]
+    timings = {}
+    for option in options:
+        try:
+            timings[option] = _time_option(option, layer_weights, layer_q4, head_weight)
+        except RuntimeError as error:  # e.g. a oneDNN kernel this CPU lacks
+            log.info("weight format %s unavailable here: %s", option.describe(), error)
+    best = min(timings, key=timings.get)
+    log.info("weight formats timed (one layer's projections + LM head, at 1 and 16 tokens): %s → %s",
+             ", ".join(f"{o.describe()} {t * 1e3:.1f} ms" for o, t in timings.items()), best.describe())
+    return best
+
+
+def _time_option(option: Choice, layer_weights: list[torch.Tensor], layer_q4: list[Q4Weight] | None,
+                 head_weight: torch.Tensor) -> float:
+    projections = [option.make(w, None, None if layer_q4 is None else q4)
+                   for w, q4 in zip(layer_weights, layer_q4 or [None] * len(layer_weights))]
+    head = option.make_head(head_weight)
+    total = 0.0
+    with torch.inference_mode():
+        for tokens in (1, 16):
+            inputs = [torch.randn(tokens, w.shape[1]).to(option.dtype) for w in layer_weights]
+            hidden = torch.randn(tokens, head_weight.shape[1]).to(option.dtype)
+
+            def step() -> None:
+                for projection, x in zip(projections, inputs):
+                    projection(x)
+                head(hidden)
+
+            step()  # warm-up (oneDNN and the int kernels set themselves up on first use)
+            started = time.perf_counter()
+            for _ in range(3):
+                step()
+            total += (time.perf_counter() - started) / 3
+    return total
