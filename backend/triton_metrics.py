@@ -28,9 +28,19 @@ class EngineMetrics:
             self.families.append(pb_utils.MetricFamily(name=name, description=description,
                                                        kind=pb_utils.MetricFamily.HISTOGRAM))
             self.histograms[key] = self.families[-1].Metric(labels=labels, buckets=buckets)
+        self.pending: dict[str, list[float]] = {key: [] for key in HISTOGRAMS}
+
+    def record(self, histogram: str, seconds: float) -> None:
+        """Note an observation; `update` publishes it (each observation is a round trip to tritonserver, which
+        does not belong on a token's path)."""
+        self.pending[histogram].append(seconds)
 
     def update(self, stats) -> None:
-        """Publish an EngineStats snapshot."""
+        """Publish an EngineStats snapshot and the observations recorded since the last update."""
+        for key, values in self.pending.items():
+            for value in values:
+                self.histograms[key].observe(value)
+            values.clear()
         for key, metric in self.gauges.items():
             metric.set(float(getattr(stats, key)))
         for key, metric in self.counters.items():
@@ -53,7 +63,7 @@ class LatencyTracker:
     def on_output(self, metrics: EngineMetrics) -> None:
         now = time.monotonic()
         if self.last_output is None:
-            metrics.histograms["time_to_first_token"].observe(now - self.arrived)
+            metrics.record("time_to_first_token", now - self.arrived)
         else:
-            metrics.histograms["inter_token"].observe(now - self.last_output)
+            metrics.record("inter_token", now - self.last_output)
         self.last_output = now

@@ -1,28 +1,38 @@
-"""Throughput and latency of a running tritonllm stack, beside transformers `generate` on the same prompts.
+"""One run, one machine: the whole stack (OpenAI adapter → Triton → engine) at 1 and N streams, the engine
+in-process at batch 1 and N, and transformers `generate` one request at a time — with the ratios between them.
 
-Start the stack first (`make serve`), then:  .venv/bin/python bench/throughput.py [--concurrency 1,4,16,32,64]
+    .venv/bin/python bench/throughput.py [--streams 1,32] [--tokens 128] [--weight-format auto]
+        [--url http://HOST:PORT/v1]   # a running stack instead of starting one
 
-For each concurrency N, N streaming clients send the fixed prompt set through the OpenAI adapter; the script
-reports output tokens/s, time to first token and inter-token latency (p50/p99). At N=1 it also measures the
-same through tritonclient's gRPC stream directly (no adapter). The baseline runs transformers' generate in
-this process on the same prompts and max_tokens: one at a time, and batched N at a time; ratios are printed."""
+Every client streams (temperature 0.7, ignore_eos, `--tokens` tokens per request). The stack is started here
+(`tritonllm serve` on free ports) and stopped before the in-process runs, so they do not share the cores."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import platform
+import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
-import numpy as np
 import torch
-import tritonclient.grpc.aio as grpcaio
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from backend.model_files import resolve_model_path
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.interface.parameters import SamplingParams  # noqa: E402
+from backend.llm_engine import LLMEngine, Request  # noqa: E402
+from backend.model_files import prepare_default_model  # noqa: E402
+from stack_helpers import running_stack  # noqa: E402
 
 TOPICS = ["the history of Rome", "how vaccines work", "a trip to Japan", "the rules of chess", "black holes",
           "baking sourdough bread", "the French revolution", "machine learning", "coral reefs", "jazz music",
@@ -33,30 +43,34 @@ def make_prompts(count: int) -> list[str]:
     """Deterministic prompts of varied lengths (about 10 to 120 tokens)."""
     prompts = []
     for i in range(count):
-        topic = TOPICS[i % len(TOPICS)]
         context = " ".join(f"Fact {j}: {TOPICS[(i + j) % len(TOPICS)]} is a fascinating subject." for j in range(i % 9))
-        prompts.append(f"{context} Write a short essay about {topic}.".strip())
+        prompts.append(f"{context} Write a short essay about {TOPICS[i % len(TOPICS)]}.".strip())
     return prompts
 
 
 @dataclass
-class Timing:
+class Run:
+    """One measurement: output tokens over wall time, with per-request first-token and inter-token times."""
+
+    tokens: int = 0
+    seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
-    tokens: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) * 1000 if values else float("nan")
+def median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3 if values else float("nan")
 
 
-async def adapter_stream(client: httpx.AsyncClient, base_url: str, model: str, prompt: str, max_tokens: int,
-                         timing: Timing) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.7, "ignore_eos": True,
+async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, tokens: int, run: Run) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.7, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start = last = time.perf_counter()
-    first = True
-    async with client.stream("POST", f"{base_url}/completions", json=body) as response:
+    async with client.stream("POST", f"{url}/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -64,120 +78,131 @@ async def adapter_stream(client: httpx.AsyncClient, base_url: str, model: str, p
             chunk = json.loads(line[6:])
             now = time.perf_counter()
             if chunk["choices"] and chunk["choices"][0]["text"]:
-                (timing.ttft if first else timing.itl).append(now - (start if first else last))
-                first, last = False, now
+                if run.ttft:
+                    run.itl.append(now - last)
+                else:
+                    run.ttft.append(now - start)
+                last = now
             if chunk.get("usage"):
-                timing.tokens += chunk["usage"]["completion_tokens"]
+                run.tokens += chunk["usage"]["completion_tokens"]
 
 
-async def grpc_stream(client: grpcaio.InferenceServerClient, prompt: str, max_tokens: int, timing: Timing) -> None:
-    def tensor(name, array, dtype):
-        t = grpcaio.InferInput(name, list(array.shape), dtype)
-        t.set_data_from_numpy(array)
-        return t
-    params = {"max_tokens": max_tokens, "temperature": 0.7, "ignore_eos": True}
-    inputs = [tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-              tensor("stream", np.array([True]), "BOOL"),
-              tensor("sampling_parameters", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES")]
+async def stack_run(url: str, model: str, streams: int, requests_per_stream: int, tokens: int) -> Run:
+    """`streams` clients, each sending requests_per_stream requests one after the other."""
+    run = Run()
+    prompts = make_prompts(streams * requests_per_stream)
+    progress = tqdm(total=len(prompts), desc=f"stack, {streams} streams", leave=False)
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        async def client_loop(index: int) -> None:
+            for prompt in prompts[index::streams]:
+                per_request = Run()
+                await _stream(client, url, model, prompt, tokens, per_request)
+                run.tokens += per_request.tokens
+                run.ttft += per_request.ttft
+                run.itl += per_request.itl
+                progress.update()
 
-    async def requests():
-        yield {"model_name": "llm", "inputs": inputs}
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(i) for i in range(streams)))
+        run.seconds = time.perf_counter() - started
+    progress.close()
+    return run
 
-    start = last = time.perf_counter()
-    first = True
-    async for result, error in client.stream_infer(requests()):
-        if error is not None:
-            raise error
+
+def engine_run(engine: LLMEngine, batch: int, tokens: int) -> Run:
+    """`batch` requests at once, in-process; ITL is the time per decode step."""
+    run = Run()
+    params = SamplingParams(max_tokens=tokens, temperature=0.7, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(batch)):
+        engine.add_request(Request(f"bench-{batch}-{i}", prompt, params))
+    started = last = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
         now = time.perf_counter()
-        if result.as_numpy("text_output") is not None and result.as_numpy("text_output")[0]:
-            (timing.ttft if first else timing.itl).append(now - (start if first else last))
-            first, last = False, now
-    timing.tokens += max_tokens
+        produced = sum(len(c.token_ids) for o in outputs for c in o.choices)
+        if produced:
+            (run.itl if run.tokens else run.ttft).append(now - last)
+        run.tokens += produced
+        last = now
+    run.seconds = time.perf_counter() - started
+    return run
 
 
-async def run_level(args, model: str, prompts: list[str], concurrency: int) -> tuple[Timing, float]:
-    timing = Timing()
-    pending = list(prompts)
-    bar = tqdm(total=len(prompts), desc=f"adapter N={concurrency}", leave=False)
-    async with httpx.AsyncClient(timeout=600) as client:
-        async def worker():
-            while pending:
-                await adapter_stream(client, args.base_url, model, pending.pop(0), args.max_tokens, timing)
-                bar.update()
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    bar.close()
-    return timing, timing.tokens / elapsed
-
-
-async def run_grpc(args, prompts: list[str]) -> tuple[Timing, float]:
-    timing = Timing()
-    client = grpcaio.InferenceServerClient(args.grpc_url)
-    start = time.perf_counter()
-    for prompt in tqdm(prompts, desc="tritonclient N=1", leave=False):
-        await grpc_stream(client, prompt, args.max_tokens, timing)
-    elapsed = time.perf_counter() - start
-    await client.close()
-    return timing, timing.tokens / elapsed
-
-
-def hf_baseline(model_dir, prompts: list[str], max_tokens: int, batch: int) -> float:
-    """transformers generate on the prompts, `batch` at a time (left-padded); returns output tokens/s."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+def generate_run(model_dir: Path, requests: int, tokens: int) -> Run:
+    """transformers generate, one request at a time, sampling like the others."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens, start = 0, time.perf_counter()
-    for i in tqdm(range(0, len(prompts), batch), desc=f"transformers batch={batch}", leave=False):
-        encoded = tokenizer(prompts[i:i + batch], return_tensors="pt", padding=True)
+    run = Run()
+    started = time.perf_counter()
+    for prompt in tqdm(make_prompts(requests), desc="transformers generate", leave=False):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = model.generate(**encoded, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-        tokens += (out.shape[1] - encoded.input_ids.shape[1]) * out.shape[0]
-    return tokens / (time.perf_counter() - start)
+            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, temperature=0.7,
+                                 top_k=0, pad_token_id=tokenizer.eos_token_id)
+        run.tokens += out.shape[1] - ids.shape[1]
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def cpu_description() -> str:
+    model, flags = platform.processor(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        present = set(next(line for line in info.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
+        flags = " ".join(sorted(f for f in present if f.startswith(("avx", "amx", "fma"))))
+    except (OSError, StopIteration):
+        pass
+    return f"{model} ({torch.get_num_threads()} torch threads; {flags}; torch {torch.__version__}, " \
+           f"{torch.backends.cpu.get_cpu_capability()})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", default="http://127.0.0.1:9000/v1")
-    parser.add_argument("--grpc-url", default="127.0.0.1:8001")
-    parser.add_argument("--model-path", default="", help="model for the baseline (default: the default model)")
-    parser.add_argument("--concurrency", default="1,4,16,32,64")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--url", help="a running stack's OpenAI API root (default: start one here)")
+    parser.add_argument("--streams", default="1,32", help="concurrent streams / in-process batch sizes")
+    parser.add_argument("--tokens", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--weight-format", default="auto")
+    parser.add_argument("--generate-requests", type=int, default=2, help="transformers generate requests")
     args = parser.parse_args()
-    model = httpx.get(f"{args.base_url}/models").json()["data"][0]["id"]
-    levels = [int(n) for n in args.concurrency.split(",")]
+    levels = [int(n) for n in args.streams.split(",")]
+    model_dir = prepare_default_model()
+    print(f"CPU: {cpu_description()}")
 
-    print(f"model {model}, max_tokens {args.max_tokens}, temperature 0.7, ignore_eos")
-    rows = []
+    stack: dict[int, Run] = {}
+    if args.url:
+        model = httpx.get(f"{args.url}/models", timeout=10).json()["data"][0]["id"]
+        stack = {n: asyncio.run(stack_run(args.url, model, n, args.requests_per_stream, args.tokens)) for n in levels}
+    else:
+        with tempfile.TemporaryDirectory() as state, running_stack(
+                model_dir, Path(state), "--weight-format", args.weight_format, "--max-num-seqs", str(max(levels)),
+                "--kv-cache-memory", "1GiB") as process:
+            url, model = process.stack.base_url, process.stack.model_name
+            asyncio.run(stack_run(url, model, 1, 1, 8))  # warm-up
+            stack = {n: asyncio.run(stack_run(url, model, n, args.requests_per_stream, args.tokens)) for n in levels}
+
+    engine = LLMEngine(EngineConfig(model_path=str(model_dir), weight_format=args.weight_format,
+                                    max_num_seqs=max(levels)))
+    engine_run(engine, 1, 8)  # warm-up
+    in_process = {n: engine_run(engine, n, args.tokens) for n in levels}
+    print(f"weights: {engine.core.runner.weight_format}")
+    del engine
+    generate = generate_run(model_dir, args.generate_requests, args.tokens)
+
+    print(f"\n{args.tokens} tokens per request, temperature 0.7, streaming clients")
+    print(f"{'':<28} {'tok/s':>8} {'per stream':>11} {'TTFT p50':>9} {'ITL p50':>8}")
     for n in levels:
-        prompts = make_prompts(max(n * args.requests_per_client, 4))
-        timing, rate = asyncio.run(run_level(args, model, prompts, n))
-        rows.append((n, len(prompts), rate, timing))
-    grpc_timing, grpc_rate = asyncio.run(run_grpc(args, make_prompts(4)))
-
-    baseline_single = baseline = {}
-    if not args.skip_baseline:
-        model_dir = resolve_model_path(args.model_path)
-        single = hf_baseline(model_dir, make_prompts(4), args.max_tokens, batch=1)
-        baseline_single = {n: single for n in levels}
-        baseline = {n: hf_baseline(model_dir, make_prompts(max(n * args.requests_per_client, 4)),
-                                   args.max_tokens, batch=n) for n in levels}
-
-    header = f"{'N':>3} {'reqs':>5} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
-    if baseline:
-        header += f" {'HF b=1':>8} {'ratio':>6} {'HF b=N':>8} {'ratio':>6}"
-    print(header + "   (latencies in ms)")
-    for n, count, rate, timing in rows:
-        line = (f"{n:>3} {count:>5} {rate:>8.1f} {pct(timing.ttft, 50):>9.0f} {pct(timing.ttft, 99):>9.0f} "
-                f"{pct(timing.itl, 50):>8.1f} {pct(timing.itl, 99):>8.1f}")
-        if baseline:
-            line += (f" {baseline_single[n]:>8.1f} {rate / baseline_single[n]:>5.1f}x"
-                     f" {baseline[n]:>8.1f} {rate / baseline[n]:>5.1f}x")
-        print(line)
-    print(f"tritonclient direct, N=1: {grpc_rate:.1f} tok/s, TTFT p50 {pct(grpc_timing.ttft, 50):.0f} ms, "
-          f"ITL p50 {pct(grpc_timing.itl, 50):.1f} ms, p99 {pct(grpc_timing.itl, 99):.1f} ms")
+        for name, run in ((f"stack, {n} streams", stack[n]), (f"in-process, batch {n}", in_process[n])):
+            print(f"{name:<28} {run.rate:>8.1f} {run.rate / n:>11.1f} {median_ms(run.ttft):>7.0f}ms "
+                  f"{median_ms(run.itl):>6.1f}ms")
+    print(f"{'transformers generate':<28} {generate.rate:>8.1f} {generate.rate:>11.1f}")
+    print("\nratios")
+    for n in levels:
+        print(f"  stack {n} streams / generate one at a time: {stack[n].rate / generate.rate:.2f}x"
+              f"   stack / in-process at {n}: {stack[n].rate / in_process[n].rate:.0%}")
+    added = median_ms(stack[levels[0]].itl) - median_ms(in_process[levels[0]].itl)
+    print(f"  serving adds {added:.1f} ms per token at {levels[0]} stream(s) (ITL p50, stack − in-process)")
 
 
 if __name__ == "__main__":

@@ -60,13 +60,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
     caches: [blocks, block_size, kv_heads, head_dim]."""
     kernels.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_decode = meta.num_decode_tokens
+    if meta.prefill_batch is None:  # decodes only (most steps)
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                              scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_decode:
         out[:num_decode] = kernels.paged_decode_attention(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
                                                           meta.decode_context_lens, scale)
-    if meta.prefill_batch is not None:
-        batch = meta.prefill_batch
-        out[num_decode:] = kernels.prefill_attention(q[num_decode:], k_cache, v_cache, batch.query_starts,
-                                                     batch.query_lens, batch.context_lens, batch.block_tables, scale)
+    batch = meta.prefill_batch
+    out[num_decode:] = kernels.prefill_attention(q[num_decode:], k_cache, v_cache, batch.query_starts,
+                                                 batch.query_lens, batch.context_lens, batch.block_tables, scale)
     return out
