@@ -12,7 +12,7 @@ import numpy as np
 
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
-from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS
+from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING
 from backend.processing.outputs import RequestOutput, TokenLogprob
 
 
@@ -86,6 +86,10 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
              + RETURN_FLAGS}
     if flags["stream"]:
         params.check_streamable()
+        # A stream carries only new text; vllm_backend refuses an explicit request for the prompt in it.
+        if inputs.get("exclude_input_in_output") is not None and not flags["exclude_input_in_output"]:
+            raise InvalidRequest("exclude_input_in_output false cannot be streamed: streamed responses carry only "
+                                 "new text (leave it out or set it true)")
     return ParsedRequest(
         prompt=prompt, params=params, stream=flags["stream"],
         exclude_input_in_output=flags["exclude_input_in_output"],
@@ -94,8 +98,12 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
 
 
 def _logprob_entry(lp: TokenLogprob) -> dict:
-    top = None if lp.logprob is None else {text: logprob for _, text, logprob in lp.top}
-    return {"token": lp.token, "token_id": lp.token_id, "logprob": lp.logprob, "top": top}
+    """vllm_backend's entry of one token: token id → {logprob, rank, decoded_token}, the token itself first, then
+    its most likely alternatives (a token that is one of them appears once)."""
+    entry = {lp.token_id: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}}
+    for rank, (token_id, text, logprob) in enumerate(lp.top, start=1):
+        entry.setdefault(token_id, {"logprob": logprob, "rank": rank, "decoded_token": text})
+    return entry
 
 
 class ResponseBuilder:
@@ -105,11 +113,13 @@ class ResponseBuilder:
         self.request = request
         count = request.params.num_sequences
         self.texts = [""] * count
-        self.finish_reasons = [""] * count
+        # A choice's state, in every response: RUNNING until it ends, then why it ended.
+        self.finish_reasons = [RUNNING] * count
         self.matched_stops: list[str | int | None] = [None] * count
         self.logprobs: list[list] = [[] for _ in range(count)]
         self.cumulative_logprobs = [0.0] * count
         self.num_output_tokens = [0] * count
+        self.num_reported_tokens = [0] * count  # streaming: num_output_tokens counts each response's own tokens
         self.prompt_logprobs: list | None = None
         self.hidden_states: list[list] = [[] for _ in range(count)]
         self.prompt_hidden_states: list | None = None
@@ -121,7 +131,6 @@ class ResponseBuilder:
         count = self.request.params.num_sequences
         if self.request.stream:  # each response carries only what is new
             self.texts, self.logprobs = [""] * count, [[] for _ in range(count)]
-            self.finish_reasons, self.matched_stops = [""] * count, [None] * count
             self.prompt_logprobs, self.prompt_hidden_states = None, None
             self.hidden_states = [[] for _ in range(count)]
             self.routed_experts = [[] for _ in range(count)]
@@ -137,7 +146,7 @@ class ResponseBuilder:
             self.routed_experts[i].extend(experts.tolist() for experts in delta.routed_experts)
             self.cumulative_logprobs[i] = delta.cumulative_logprob
             self.num_output_tokens[i] = delta.num_output_tokens
-            self.finish_reasons[i] = delta.finish_reason or ""
+            self.finish_reasons[i] = delta.finish_reason or RUNNING
             self.matched_stops[i] = delta.matched_stop
         if not self.request.stream and not output.finished:
             return None
@@ -162,8 +171,9 @@ class ResponseBuilder:
             tensors["matched_stop"] = strings([json.dumps(m) for m in self.matched_stops])
         if "cumulative_logprob" in wanted:
             tensors["cumulative_logprob"] = np.array([self.cumulative_logprobs[i] for i in kept], dtype=np.float32)
-        if "logprobs" in wanted:
-            tensors["logprobs"] = strings([json.dumps(entries) for entries in self.logprobs])
+        if "logprobs" in wanted:  # null per choice when the request asked for no logprobs, as vllm_backend
+            with_logprobs = self.request.params.logprobs is not None
+            tensors["logprobs"] = strings([json.dumps(entries if with_logprobs else None) for entries in self.logprobs])
         if self.prompt_logprobs is not None:
             tensors["prompt_logprobs"] = np.array([json.dumps(self.prompt_logprobs).encode()], dtype=np.object_)
         if self.request.params.return_hidden_states:
@@ -175,8 +185,11 @@ class ResponseBuilder:
                                                        dtype=np.object_)
         if "num_input_tokens" in wanted:
             tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
-        if "num_output_tokens" in wanted:
-            tensors["num_output_tokens"] = np.array([self.num_output_tokens[i] for i in kept], dtype=np.uint32)
+        if "num_output_tokens" in wanted:  # the tokens this response carries, as vllm_backend counts them
+            tensors["num_output_tokens"] = np.array([self.num_output_tokens[i] - self.num_reported_tokens[i]
+                                                     for i in kept], dtype=np.uint32)
+            if self.request.stream:
+                self.num_reported_tokens = list(self.num_output_tokens)
         if "num_cached_tokens" in wanted:
             tensors["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.uint32)
         return tensors

@@ -138,8 +138,7 @@ class _ChoiceState:
         self._text_parts.append(text)
         self.finish_reason = output.finish_reason
         self.matched_stop = output.matched_stop
-        if output.num_output_tokens is not None:
-            self.num_output_tokens = output.num_output_tokens
+        self.num_output_tokens += output.num_output_tokens or 0
         logprobs = self._logprobs.add(entries) if self._logprobs else None
         if not text and not entries and not hidden_states and not routed_experts and self.finish_reason is None:
             return None
@@ -170,10 +169,10 @@ class CompletionAssembler:
         self._created = int(time.time())
         self._model = request.model
         self._n = request.n
-        self._with_logprobs = request.engine_logprobs() is not None
+        self._logprobs = request.engine_logprobs()
         self._prompts = request.prompts()
         self._choices = [
-            _ChoiceState(index=index, with_logprobs=self._with_logprobs,
+            _ChoiceState(index=index, with_logprobs=self._logprobs is not None,
                          with_hidden_states=request.return_hidden_states,
                          with_routed_experts=request.return_routed_experts)
             for index in range(len(self._prompts) * request.n)
@@ -202,7 +201,7 @@ class CompletionAssembler:
         states = self._choices_of(prompt_index)
         if chunk.prompt_logprobs is not None and prompt_index in self._awaiting_echo:
             self._awaiting_echo.discard(prompt_index)
-            echo = echo_from_prompt_logprobs(self._prompts[prompt_index], chunk.prompt_logprobs, self._with_logprobs)
+            echo = echo_from_prompt_logprobs(self._prompts[prompt_index], chunk.prompt_logprobs, self._logprobs)
             for state in states:
                 state.echo(echo)
         if chunk.prompt_hidden_states is not None:  # asked for only with echo

@@ -113,6 +113,7 @@ def _check_prompt_logprobs(logprobs, prompt_ids: list[int], ref: Reference, top:
         assert logprobs.token_logprobs[position] == pytest.approx(row[prompt_ids[position]].item(), abs=TOLERANCE)
         values, ids = row.topk(top)
         expected_top = {ref.text(i): v for i, v in zip(ids.tolist(), values.tolist())}
+        expected_top.setdefault(ref.text(prompt_ids[position]), row[prompt_ids[position]].item())  # OpenAI's rule
         assert logprobs.top_logprobs[position] == pytest.approx(expected_top, abs=TOLERANCE)
 
 

@@ -15,13 +15,22 @@ from backend.engine.structured_output import BitmaskFiller
 from kernels import apply_logit_bias, apply_penalties, apply_token_bitmask, filter_probs
 
 
-def score(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[SampledToken]:
-    """Each row's logprob of its token, with the row's num_top most likely alternatives."""
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+def score(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]) -> list[SampledToken]:
+    """Each row's logprob of its token; a row whose num_top is set (logprobs asked for) also gets the token's rank
+    and its num_top most likely alternatives."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = {}
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    if wanted:  # vLLM's rank: 1 + the tokens strictly more likely
+        rows = torch.tensor(wanted, device=logprobs.device)
+        ranks = dict(zip(wanted, ((logprobs[rows] > chosen[rows].unsqueeze(1)).sum(dim=-1) + 1).tolist()))
+    chosen = chosen.tolist()
     top_values = top_ids = []
-    if max(num_top, default=0):
-        top_values, top_ids = (t.tolist() for t in logprobs.topk(max(num_top), dim=-1))
-    return [SampledToken(token, chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ())
+    most = max((k or 0 for k in num_top), default=0)
+    if most:
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(most, dim=-1))
+    return [SampledToken(token, chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else (),
+                         ranks.get(i))
             for i, (token, k) in enumerate(zip(tokens.tolist(), num_top))]
 
 
@@ -59,7 +68,7 @@ class Sampler:
                 )
             chosen[rows] = sample_from(probs, uniforms)
 
-        return score(logprobs, chosen, [seq.params.logprobs or 0 for seq in seqs])
+        return score(logprobs, chosen, [seq.params.logprobs for seq in seqs])
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """min_tokens bans, logit_bias, penalties and grammars; returns logits unchanged (not copied) when none

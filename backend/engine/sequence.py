@@ -24,6 +24,7 @@ class SampledToken:
     token_id: int
     logprob: float  # in the model's raw distribution
     top: tuple[tuple[int, float], ...] = ()  # the requested number of most likely (token id, logprob)
+    rank: int | None = None  # 1 + the tokens more likely than it, when logprobs were asked for
 
 
 @dataclass

@@ -10,4 +10,6 @@ OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "nu
            "num_cached_tokens", "matched_stop", "prompt_logprobs", "hidden_states", "prompt_hidden_states",
            "routed_experts")
 
+RUNNING = "None"  # finish_reason of a choice still running: vllm_backend sends Python's str(None)
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # roles the `messages` input accepts

@@ -122,7 +122,8 @@ class OutputProcessor:
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:
         return TokenLogprob(sampled.token_id, self.token_text(sampled.token_id), sampled.logprob,
-                            [(token_id, self.token_text(token_id), logprob) for token_id, logprob in sampled.top])
+                            [(token_id, self.token_text(token_id), logprob) for token_id, logprob in sampled.top],
+                            sampled.rank)
 
     def _apply(self, params: SamplingParams, choice: _Choice, update: SequenceUpdate) -> None:
         choice.pending_hidden_states += update.hidden_states

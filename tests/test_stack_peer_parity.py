@@ -1,0 +1,102 @@
+"""Where clients written for a peer (OpenAI / vLLM / SGLang, Triton's vllm_backend) depend on its behaviour, the
+whole stack behaves the same (issue 18): tried through `tritonllm serve` with the clients those peers' users run
+(the openai SDK, plain HTTP and SSE, tritonclient.grpc)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from stack_helpers import grpc_generate
+
+PROMPT = "The capital of France is"
+COUNTING = "1, 2, 3, 4,"  # greedy: " 5, 6, 7, 8, 9, 10, ..."
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _sse_chunks(stack, route: str, **body) -> list[dict]:
+    """The JSON chunks of a streamed completion or chat completion, as they are on the wire."""
+    with httpx.stream("POST", f"{stack.base_url}/{route}", json={"model": stack.model_name, **body},
+                      timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def _post(stack, route: str, **body) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}/{route}", json={"model": stack.model_name, **body}, timeout=120)
+
+
+def _error(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+# --- the Triton tensor interface as vllm_backend's clients read it (items 11-14) ------------------------------
+
+
+def _strings(result, name: str) -> list[str] | None:
+    array = result.as_numpy(name)
+    return None if array is None else [item.decode() for item in array]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_vllm_backend_client_reads_finish_reason_logprobs_and_token_counts(stack, stream):
+    params = {"max_tokens": 8, "temperature": "0", "logprobs": 2, "ignore_eos": True}
+    responses, error = grpc_generate(stack, PROMPT, params, stream, return_logprobs=True,
+                                     return_cumulative_logprob=True)
+    assert error is None and len(responses) == (8 if stream else 1)
+    for i, result in enumerate(responses):
+        # "None" (Python's str(None)) until the choice ends, as vllm_backend sends it
+        [finish_reason] = _strings(result, "finish_reason")
+        assert finish_reason == ("length" if i == len(responses) - 1 else "None")
+        # each response counts its own tokens, one logprobs entry per token
+        [logprobs] = [json.loads(entries) for entries in _strings(result, "logprobs")]
+        [num_output_tokens] = result.as_numpy("num_output_tokens").tolist()
+        assert len(logprobs) == num_output_tokens == (1 if stream else 8)
+        greedy_text = ""
+        for entry in logprobs:  # {token id: {logprob, rank, decoded_token}}: the token and its top 2
+            assert 1 <= len(entry) <= 3 and all(token_id.isdigit() for token_id in entry)
+            assert all(set(value) == {"logprob", "rank", "decoded_token"} for value in entry.values())
+            [top] = [value for value in entry.values() if value["rank"] == 1]
+            greedy_text += top["decoded_token"]
+        [text] = _strings(result, "text_output")
+        assert (PROMPT + greedy_text if not stream else greedy_text) == text
+    # without logprobs in the sampling parameters: null, not an empty list
+    [final], error = grpc_generate(stack, PROMPT, {"max_tokens": 2}, False, return_logprobs=True)
+    assert error is None and _strings(final, "logprobs") == ["null"]
+
+
+def test_vllm_backend_refuses_streaming_the_prompt(stack):
+    responses, error = grpc_generate(stack, PROMPT, {"max_tokens": 2}, True, exclude_input_in_output=False)
+    assert responses == [] and "[invalid_request] exclude_input_in_output false cannot be streamed" in str(error)
+    streamed, error = grpc_generate(stack, PROMPT, {"max_tokens": 2}, True, exclude_input_in_output=True)
+    assert error is None and streamed
+
+
+# --- logprobs as OpenAI gives them (item 2) -------------------------------------------------------------------
+
+
+def test_top_logprobs_always_hold_the_sampled_token(complete):
+    greedy = complete(prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0).choices[0].logprobs
+    assert greedy.top_logprobs == [{token: logprob} for token, logprob in zip(greedy.tokens, greedy.token_logprobs)]
+    # sampled far from the top: the sampled token comes on top of the `logprobs` most likely ones
+    sampled = complete(prompt=PROMPT, max_tokens=24, temperature=2.0, seed=3, logprobs=1).choices[0].logprobs
+    outside = 0
+    for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs):
+        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2
+        outside += len(top) == 2
+    assert outside > 0
+
+
+def test_chat_top_logprobs_are_exactly_the_most_likely(client, stack):
+    for top_logprobs in (0, 2):
+        chat = client.chat.completions.create(model=stack.model_name, messages=MESSAGES, max_tokens=12,
+                                              temperature=2.0, seed=3, logprobs=True, top_logprobs=top_logprobs)
+        assert all(len(entry.top_logprobs) == top_logprobs for entry in chat.choices[0].logprobs.content)
