@@ -65,11 +65,12 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int], num_top: int | Non
         choices.append(
             ChatChunkChoice(
                 index=choice.index,
-                delta=ChatDelta(role="assistant" if first else None, content=choice.text),
+                # SGLang streams hidden states in the delta (of a chunk of their own)
+                delta=ChatDelta(role="assistant" if first else None, content=choice.text,
+                                hidden_states=choice.hidden_states),
                 logprobs=chat_logprobs(choice.logprobs, num_top) if choice.logprobs else None,
                 finish_reason=choice.finish_reason,
                 matched_stop=choice.matched_stop,
-                hidden_states=choice.hidden_states,
             )
         )
     return ChatCompletionChunk(

@@ -107,7 +107,6 @@ class _ChoiceState:
         self._unsent_echo = _NO_ECHO
         self._logprobs = LogprobsAccumulator() if with_logprobs else None
         self._hidden_states: list[list[float]] | None = [] if with_hidden_states else None
-        self._unsent_prompt_hidden_states: list[list[float]] = []
         self._routed_experts: list[list[list[int]]] | None = [] if with_routed_experts else None
 
     def echo(self, echo: Echo) -> None:
@@ -115,22 +114,20 @@ class _ChoiceState:
         self._unsent_echo = echo
 
     def echo_hidden_states(self, rows: list[list[float]]) -> None:
-        """Put the prompt's hidden states before the choice's own; they go out with the next output."""
-        self._unsent_prompt_hidden_states = rows
+        """Put the prompt's hidden states before the choice's own."""
+        self._hidden_states[:0] = rows
 
     def add(self, output: ChoiceOutput) -> CompletionChoice | None:
-        """Record one response's output; returns what a stream chunk should carry, None if nothing new."""
+        """Record one response's output; returns what a stream chunk should carry, None if nothing new (hidden
+        states are not streamed with the text: see `hidden_states_chunk`)."""
         if self.finish_reason is not None:
             # Responses keep listing a finished choice while its siblings run; it has one finish chunk only.
             return None
         text = self._unsent_echo.text + output.text
         entries = self._unsent_echo.logprobs + output.logprobs
         self._unsent_echo = _NO_ECHO
-        hidden_states = None
         if self._hidden_states is not None:
-            hidden_states = self._unsent_prompt_hidden_states + output.hidden_states
-            self._unsent_prompt_hidden_states = []
-            self._hidden_states.extend(hidden_states)
+            self._hidden_states.extend(output.hidden_states)
         routed_experts = None
         if self._routed_experts is not None:
             routed_experts = output.routed_experts
@@ -140,11 +137,17 @@ class _ChoiceState:
         self.matched_stop = output.matched_stop
         self.num_output_tokens += output.num_output_tokens or 0
         logprobs = self._logprobs.add(entries) if self._logprobs else None
-        if not text and not entries and not hidden_states and not routed_experts and self.finish_reason is None:
+        if not text and not entries and not routed_experts and self.finish_reason is None:
             return None
         return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
-                                matched_stop=self.matched_stop, hidden_states=hidden_states,
-                                routed_experts=routed_experts)
+                                matched_stop=self.matched_stop, routed_experts=routed_experts)
+
+    def hidden_states_chunk(self) -> CompletionChoice | None:
+        """SGLang's stream shape: a choice's hidden states come once its text has ended, in a chunk of their own
+        (no text, no finish reason); None when it has none."""
+        if not self._hidden_states:
+            return None
+        return CompletionChoice(index=self.index, text="", hidden_states=self._hidden_states)
 
     def whole(self) -> CompletionChoice:
         return CompletionChoice(
@@ -247,6 +250,10 @@ class CompletionAssembler:
         return CompletionResponse(id=self.id, created=self._created, model=self._model, choices=choices,
                                   usage=usage, sglext=sglext)
 
+    def hidden_states_chunks(self) -> list[CompletionChoice]:
+        """The trailing chunk choices of a stream with hidden states, one per choice."""
+        return [choice for state in self._choices if (choice := state.hidden_states_chunk()) is not None]
+
     def response(self) -> CompletionResponse:
         self.check_finished()
         return self.chunk([state.whole() for state in self._choices], self.usage())
@@ -270,16 +277,18 @@ class CompletionService:
         return assembler.response()
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[CompletionResponse]:
-        """The chunks of a streamed completion; each choice gets exactly one chunk with a finish reason."""
+        """The chunks of a streamed completion, one choice each (as OpenAI, vLLM and SGLang: clients read
+        `choices[0]`); each choice gets exactly one chunk with a finish reason."""
         adapters = self._validate(request)
         assembler = CompletionAssembler(request)
         options = request.stream_options or StreamOptions()
         async with aclosing(self._responses(request, adapters, assembler.id)) as responses:
             async for prompt_index, chunk in responses:
-                choices = assembler.add(prompt_index, chunk)
-                if choices:
-                    yield assembler.chunk(choices, assembler.usage() if options.continuous_usage_stats else None)
+                for choice in assembler.add(prompt_index, chunk):
+                    yield assembler.chunk([choice], assembler.usage() if options.continuous_usage_stats else None)
         assembler.check_finished()
+        for choice in assembler.hidden_states_chunks():
+            yield assembler.chunk([choice])
         if options.include_usage:
             yield assembler.chunk([], assembler.usage())
 

@@ -489,16 +489,16 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     """Only in a choice's first chunk."""
     content: str
+    hidden_states: list[list[float]] | None = None
+    """SGLang extension: the choice's hidden states, in a chunk of their own after its text."""
 
     @model_serializer(mode="wrap")
-    def _omit_absent_role(self, handler) -> dict:
-        data = handler(self)
-        if data.get("role") is None:
-            data.pop("role", None)
-        return data
+    def _omit_absent_fields(self, handler) -> dict:
+        return {name: value for name, value in handler(self).items()
+                if value is not None or name not in ("role", "hidden_states")}
 
 
-class ChatChunkChoice(_WithHiddenStates):
+class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None

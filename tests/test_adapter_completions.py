@@ -197,14 +197,12 @@ async def test_streamed_matched_stop_comes_with_the_finish_reason():
     )
     chunks = await _collect(CompletionService(triton, MODEL).stream(_request(n=2, stream=True)))
     assert [[(c.index, c.finish_reason, c.matched_stop) for c in chunk.choices] for chunk in chunks] == [
-        [(0, None, None), (1, None, None)],
-        [(0, "stop", "."), (1, None, None)],
-        [(1, "stop", 0)],
+        [(0, None, None)], [(1, None, None)], [(0, "stop", ".")], [(1, None, None)], [(1, "stop", 0)],
     ]
-    payload = json.loads(chunk_event(chunks[1])[len("data: ") :])
+    payload = json.loads(chunk_event(chunks[2])[len("data: ") :])
     assert [set(choice) for choice in payload["choices"]] == [
         {"index", "text", "logprobs", "finish_reason", "matched_stop"}
-    ] * 2
+    ]
 
 
 _PROMPT_LOGPROBS = [_entry("Hi", None, 10, rank=None), _entry(" there", -2.5, 11), _entry("!", -0.5, 12)]
@@ -239,12 +237,12 @@ async def test_streamed_echo_with_logprobs_goes_in_each_choice_first_chunk():
     )
     request = _request(prompt="Hi there!", n=2, echo=True, logprobs=0, stream=True)
     chunks = await _collect(CompletionService(triton, MODEL).stream(request))
-    first = chunks[0].choices
+    first = [choice for chunk in chunks[:2] for choice in chunk.choices]  # one choice per chunk
     assert [(c.index, c.text) for c in first] == [(0, "Hi there! A"), (1, "Hi there!")]
     assert first[0].logprobs.tokens == ["Hi", " there", "!", " A"]
     assert first[0].logprobs.text_offset == [0, 2, 8, 9]
     assert first[1].logprobs.token_logprobs == [None, -2.5, -0.5]
-    [finished_0, finished_1] = chunks[1].choices
+    [[finished_0], [finished_1]] = [chunk.choices for chunk in chunks[2:]]
     assert (finished_0.text, finished_0.logprobs.tokens) == ("", [])
     assert (finished_1.text, finished_1.logprobs.tokens, finished_1.logprobs.text_offset) == (" C", [" C"], [9])
 
@@ -315,10 +313,7 @@ async def test_stream_gives_each_choice_one_finish_chunk_and_usage_last():
     request = _request(n=2, stream=True, echo=True, stream_options={"include_usage": True})
     chunks = await _collect(CompletionService(triton, MODEL).stream(request))
     assert [[(c.index, c.text, c.finish_reason) for c in chunk.choices] for chunk in chunks] == [
-        [(0, "Hi a", None), (1, "Hi b", None)],
-        [(0, "", "stop"), (1, " c", None)],
-        [(1, "", "length")],
-        [],
+        [(0, "Hi a", None)], [(1, "Hi b", None)], [(0, "", "stop")], [(1, " c", None)], [(1, "", "length")], [],
     ]
     assert all(chunk.usage is None for chunk in chunks[:-1])
     assert chunks[-1].usage.completion_tokens == 3
@@ -415,8 +410,10 @@ async def test_routed_experts_go_in_sglext_per_choice_index_and_only_when_asked(
     chunks = await _collect(service.stream(_request(n=2, stream=True, return_routed_experts=True,
                                                     stream_options={"include_usage": True})))
     assert [json.loads(chunk.model_dump_json()).get("sglext") for chunk in chunks] == [
-        {"routed_experts": [[a0], [b0]]},
-        {"routed_experts": [[a1], []]},  # choice 1 ends without a new token
+        {"routed_experts": [[a0], []]},  # one choice per chunk; a choice it does not carry: none
+        {"routed_experts": [[], [b0]]},
+        {"routed_experts": [[a1], []]},
+        {"routed_experts": [[], []]},  # choice 1 ends without a new token
         None,  # the usage chunk has no choices
     ]
     plain = await CompletionService(ScriptedTriton({"Hi": responses}), MODEL).complete(_request(n=2))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -100,3 +101,47 @@ def test_chat_top_logprobs_are_exactly_the_most_likely(client, stack):
         chat = client.chat.completions.create(model=stack.model_name, messages=MESSAGES, max_tokens=12,
                                               temperature=2.0, seed=3, logprobs=True, top_logprobs=top_logprobs)
         assert all(len(entry.top_logprobs) == top_logprobs for entry in chat.choices[0].logprobs.content)
+
+
+# --- streamed choices, one per chunk (item 1), and hidden states in SGLang's stream shape (item 9) ------------
+
+
+@pytest.mark.parametrize("route, body", [
+    ("completions", {"prompt": [PROMPT, COUNTING], "n": 2}),
+    ("chat/completions", {"messages": MESSAGES, "n": 3}),
+])
+def test_streamed_chunks_carry_one_choice_each(stack, route, body):
+    body = {**body, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    whole = _post(stack, route, **body).json()["choices"]
+    chunks = _sse_chunks(stack, route, stream=True, **body)
+    assert all(len(chunk["choices"]) == 1 for chunk in chunks)  # clients read choices[0]
+    texts = {}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + (
+            choice["text"] if route == "completions" else choice["delta"]["content"])
+    assert texts == {choice["index"]: choice.get("text", choice.get("message", {}).get("content")) for choice in whole}
+
+
+def test_streamed_hidden_states_follow_each_choice_text_in_a_chunk_of_their_own(stack):
+    body = {"prompt": PROMPT, "n": 2, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "return_hidden_states": True}
+    whole = _post(stack, "completions", **body).json()["choices"]
+    *chunks, usage = _sse_chunks(stack, "completions", stream=True, stream_options={"include_usage": True}, **body)
+    text_chunks, trailing = chunks[:-2], chunks[-2:]
+    assert all("hidden_states" not in chunk["choices"][0] for chunk in text_chunks)
+    assert sorted(chunk["choices"][0]["index"] for chunk in trailing) == [0, 1]
+    for chunk in trailing:
+        [choice] = chunk["choices"]
+        assert (choice["text"], choice["finish_reason"]) == ("", None)
+        np.testing.assert_allclose(choice["hidden_states"], whole[choice["index"]]["hidden_states"], atol=1e-4)
+        assert len(choice["hidden_states"]) == 3 and len(choice["hidden_states"][0]) == 576
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+
+    *chat_chunks, last = _sse_chunks(stack, "chat/completions", messages=MESSAGES, max_tokens=3, stream=True,
+                                     return_hidden_states=True)
+    assert all("hidden_states" not in chunk["choices"][0] and "hidden_states" not in chunk["choices"][0]["delta"]
+               for chunk in chat_chunks)
+    [choice] = last["choices"]
+    assert "hidden_states" not in choice and choice["finish_reason"] is None  # SGLang: in the delta
+    assert len(choice["delta"]["hidden_states"]) == 3
