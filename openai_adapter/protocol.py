@@ -387,7 +387,7 @@ class CompletionChoice(_WithHiddenStates):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: str | int | None = None
-    """SGLang extension: the stop string (or text a stop_regex matched) or the stop token id (EOS included)
+    """SGLang extension: the stop string (or the stop_regex pattern that matched) or the stop token id (EOS included)
     that ended the choice; null while it runs or when it ended otherwise (e.g. by length)."""
     routed_experts: list[list[list[int]]] | None = Field(None, exclude=True)
     """The choice's [MoE layers][top_k] expert ids per token, when requested: the response carries them in

@@ -58,7 +58,7 @@ class ChoiceOutput:
     num_output_tokens: int | None
     """Tokens this response carries (all of them when not streaming)."""
     matched_stop: str | int | None
-    """The stop string (or stop_regex match) or stop token id that finished the choice; None until then."""
+    """The stop string (or stop_regex pattern) or stop token id that finished the choice; None until then."""
     hidden_states: list[list[float]] = field(default_factory=list)
     """Final hidden states of the new tokens; empty unless return_hidden_states was requested."""
     routed_experts: list[list[list[int]]] = field(default_factory=list)
