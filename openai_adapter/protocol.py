@@ -43,7 +43,30 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 """One text, a batch of texts, one tokenized prompt, or a batch of tokenized prompts."""
 
 
-class StreamOptions(BaseModel):
+class NullMeansDefault(BaseModel):
+    """OpenAI's API treats an explicit null as "use the default"; clients such as LangChain send them. Only the
+    fields named in NULL_IS_A_VALUE, and those whose default is null, keep a null."""
+
+    NULL_IS_A_VALUE: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            name: value
+            for name, value in data.items()
+            if value is not None or name in cls.NULL_IS_A_VALUE or cls._default_of(name) is None
+        }
+
+    @classmethod
+    def _default_of(cls, name: str) -> Any:
+        field = cls.model_fields.get(name)
+        return None if field is None else field.default
+
+
+class StreamOptions(NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -61,6 +84,21 @@ class NotYetSupportedParameters(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False  # vLLM's beam search, and its parameter
+    length_penalty: float = 1.0
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer spelling of the guided_* constraints
+    guided_whitespace_pattern: str | None = None
+    logits_processors: list[Any] | None = None
+    custom_logit_processor: str | None = None  # SGLang's
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    priority: int = 0  # vLLM and SGLang refuse other priorities without priority scheduling too
+
+
+class NotYetSupportedCompletionParameters(BaseModel):
+    """Completion-only ones, like NotYetSupportedParameters."""
+
+    add_special_tokens: bool = True  # text prompts are tokenized with the tokenizer's special tokens (BOS)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -139,10 +177,12 @@ class StructuredOutputParameters(BaseModel):
         return found
 
 
-class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
+class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, NullMeansDefault):
     """What completion and chat requests share: the model, sampling, stops and streaming.
 
     Unknown fields are ignored (SDKs send extra_body fields as they are)."""
+
+    NULL_IS_A_VALUE: ClassVar[tuple[str, ...]] = ("max_tokens",)  # null max_tokens: up to the context's end
 
     model: str
     max_tokens: int | None = engine_field("max_tokens")
@@ -182,23 +222,6 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
     """SGLang extension for mixture-of-experts models: the response's `sglext.routed_experts` lists, per choice,
     the experts each generated token was routed to in every MoE layer; the engine refuses it for dense models."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI's API treats an explicit null as "use the default"; clients such as LangChain send them."""
-        if not isinstance(data, dict):
-            return data
-        return {
-            name: value
-            for name, value in data.items()
-            if value is not None or name == "max_tokens" or cls._default_of(name) is None
-        }
-
-    @classmethod
-    def _default_of(cls, name: str) -> Any:
-        field = cls.model_fields.get(name)
-        return None if field is None else field.default
-
     def api_name(self, engine_field: str | None) -> str | None:
         """This request's name for an engine sampling parameter."""
         return engine_field
@@ -221,7 +244,7 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
         return None
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, NotYetSupportedCompletionParameters):
     """Body of POST /v1/completions."""
 
     prompt: Prompt
@@ -259,6 +282,9 @@ class CompletionRequest(SamplingRequest):
         """The engine's `logprobs` (top candidates per token); None: no logprobs."""
         return self.logprobs
 
+    def unsupported_parameter(self) -> str | None:
+        return super().unsupported_parameter() or self._first_non_neutral(NotYetSupportedCompletionParameters)
+
 
 ChatRole = Literal[CHAT_ROLES]
 """The roles the engine accepts in its `messages` input."""
@@ -274,6 +300,14 @@ class NotYetSupportedChatParameters(BaseModel):
 
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated spelling of tools
+    function_call: str | dict[str, Any] | None = None
+    # vLLM's chat template controls: the engine always renders the model's own template, ready for an answer
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):

@@ -145,3 +145,39 @@ def test_streamed_hidden_states_follow_each_choice_text_in_a_chunk_of_their_own(
     [choice] = last["choices"]
     assert "hidden_states" not in choice and choice["finish_reason"] is None  # SGLang: in the delta
     assert len(choice["delta"]["hidden_states"]) == 3
+
+
+# --- null inside stream_options (item 5); parameters accepted but ignored are refused (item 6) ----------------
+
+
+def test_null_inside_stream_options_means_the_default(stack):
+    chunks = _sse_chunks(stack, "completions", prompt=PROMPT, max_tokens=3, stream=True,
+                         stream_options={"include_usage": None, "continuous_usage_stats": None})
+    assert chunks and all("usage" not in chunk for chunk in chunks)  # the defaults: no usage chunk
+    with_usage = _sse_chunks(stack, "chat/completions", messages=MESSAGES, max_tokens=3, stream=True,
+                             stream_options={"include_usage": True, "continuous_usage_stats": None})
+    assert with_usage[-1]["choices"] == [] and with_usage[-1]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("route, field, value", [
+    ("completions", "use_beam_search", True),
+    ("chat/completions", "use_beam_search", True),
+    ("completions", "length_penalty", 0.5),
+    ("completions", "structured_outputs", {"regex": "[0-9]+"}),
+    ("completions", "guided_whitespace_pattern", " "),
+    ("completions", "add_special_tokens", False),
+    ("completions", "return_token_ids", True),
+    ("completions", "priority", 1),
+    ("chat/completions", "add_generation_prompt", False),
+    ("chat/completions", "continue_final_message", True),
+    ("chat/completions", "chat_template", "{{ messages[0].content }}"),
+    ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+])
+def test_unsupported_non_neutral_parameters_are_400_not_ignored(stack, route, field, value):
+    prompt = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
+    error = _error(_post(stack, route, max_tokens=1, **prompt, **{field: value}))
+    assert error["param"] == field and "not supported" in error["message"]
+    neutral = {"use_beam_search": False, "add_special_tokens": route == "completions", "priority": 0,
+               "add_generation_prompt": True}
+    if field in neutral:  # the neutral value is accepted, as before
+        assert _post(stack, route, max_tokens=1, **prompt, **{field: neutral[field]}).status_code == 200
