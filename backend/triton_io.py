@@ -12,7 +12,7 @@ import numpy as np
 
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
-from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING
+from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING, message_text
 from backend.processing.outputs import RequestOutput, TokenLogprob
 
 
@@ -44,20 +44,25 @@ def _text(value, name: str) -> str:
 
 
 def _messages(raw: str) -> list[dict]:
-    """The `messages` input: a JSON list of {role, content} chat messages."""
+    """The `messages` input: a JSON list of {role, content} chat messages (content: a string or text parts)."""
     try:
         messages = json.loads(raw)
     except json.JSONDecodeError as error:
         raise InvalidRequest(f"input messages is not valid JSON: {error}") from None
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("input messages must be a non-empty JSON list of {role, content} objects")
+    rendered = []
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES \
-                or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES or "content" not in message:
             raise InvalidRequest(f"messages[{index}] must be an object with a role in {list(CHAT_ROLES)} "
                                  "and a string content")
-    # Only role and content reach the chat template: other keys would change the rendering unnoticed.
-    return [{"role": message["role"], "content": message["content"]} for message in messages]
+        try:
+            content = message_text(message["content"])
+        except ValueError as error:
+            raise InvalidRequest(f"messages[{index}]: {error}") from None
+        # Only role and content reach the chat template: other keys would change the rendering unnoticed.
+        rendered.append({"role": message["role"], "content": content})
+    return rendered
 
 
 def _prompt(inputs: dict[str, np.ndarray | None]) -> str | list[int] | list[dict]:

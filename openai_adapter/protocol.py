@@ -19,7 +19,7 @@ from pydantic import (
 )
 
 from backend.interface.parameters import MAX_TOKEN_ID, PARAMETERS, SamplingParams
-from backend.interface.tensors import CHAT_ROLES
+from backend.interface.tensors import CHAT_ROLES, message_text
 from openai_adapter.errors import from_validation_error, invalid_request
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -292,7 +292,13 @@ ChatRole = Literal[CHAT_ROLES]
 
 class ChatMessage(BaseModel):
     role: ChatRole
-    content: str
+    content: str | list[dict[str, Any]]
+    """A string, or OpenAI's list of content parts: their texts are concatenated (other part types are 400)."""
+
+    @field_validator("content")
+    @classmethod
+    def _text_of_parts(cls, content: str | list[dict[str, Any]]) -> str:
+        return message_text(content)
 
 
 class NotYetSupportedChatParameters(BaseModel):
@@ -333,7 +339,7 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
             where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"])
             raise ValueError(
                 f"messages{where}: {first['msg']} (messages must be a list of objects with a role in "
-                f"{', '.join(CHAT_ROLES)} and a string content)"
+                f"{', '.join(CHAT_ROLES)} and a string content or a list of text content parts)"
             ) from None
         if not messages:
             raise ValueError("messages must not be empty")

@@ -181,3 +181,19 @@ def test_unsupported_non_neutral_parameters_are_400_not_ignored(stack, route, fi
                "add_generation_prompt": True}
     if field in neutral:  # the neutral value is accepted, as before
         assert _post(stack, route, max_tokens=1, **prompt, **{field: neutral[field]}).status_code == 200
+
+
+# --- chat content as a list of parts (item 3) -----------------------------------------------------------------
+
+
+def test_chat_content_parts_are_concatenated_text(stack, client):
+    as_string = client.chat.completions.create(model=stack.model_name, messages=MESSAGES, max_tokens=8,
+                                               temperature=0)
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": " of France?"}]
+    as_parts = client.chat.completions.create(model=stack.model_name, messages=[{"role": "user", "content": parts}],
+                                              max_tokens=8, temperature=0)
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_string.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    error = _error(_post(stack, "chat/completions", messages=[{"role": "user", "content": [parts[0], image]}]))
+    assert error["param"] == "messages" and "'image_url' are not supported" in error["message"]

@@ -108,13 +108,17 @@ def _messages_input(value) -> np.ndarray:
 def test_parse_messages_keeps_role_and_content_only():
     parsed = parse_request({"messages": _messages_input([{"role": "user", "content": "hi", "name": "x"}])})
     assert parsed.prompt == [{"role": "user", "content": "hi"}]
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]  # OpenAI's content parts
+    assert parse_request({"messages": _messages_input([{"role": "user", "content": parts}])}).prompt == [
+        {"role": "user", "content": "hi there"}]
 
 
 @pytest.mark.parametrize("values, message", [
     ({"messages": np.array([b"not json"], dtype=np.object_)}, "not valid JSON"),
     ({"messages": _messages_input([])}, "non-empty JSON list"),
     ({"messages": _messages_input([{"role": "wizard", "content": "a"}])}, "messages[0]"),
-    ({"messages": _messages_input([{"role": "user", "content": None}])}, "string content"),
+    ({"messages": _messages_input([{"role": "user", "content": None}])}, "string or a list of content parts"),
+    ({"messages": _messages_input([{"role": "user", "content": [{"type": "image_url"}]}])}, "'image_url' are not"),
     ({**inputs(), "messages": _messages_input([{"role": "user", "content": "a"}])}, "exactly one of"),
 ])
 def test_parse_refuses_bad_messages(values, message):
