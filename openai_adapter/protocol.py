@@ -558,6 +558,9 @@ class ModelCard(BaseModel):
     owned_by: str = "tritonllm"
     parent: str | None = None
     """A LoRA adapter's base model (vLLM's field); absent for the base model."""
+    max_model_len: int | None = None
+    """Most tokens (prompt + output) a request may hold, as vLLM and SGLang report it; absent when the engine's
+    metrics cannot be read."""
     loaded: bool | None = None
     """Whether the adapter holds a slot in the engine now (else it loads on first use); absent when unknown."""
 

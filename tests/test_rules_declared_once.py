@@ -16,7 +16,7 @@ from backend.interface.parameters import PARAMETERS
 from backend.triton_io import parse_request
 from openai_adapter.completions import check_parameters
 from openai_adapter.errors import AdapterError
-from openai_adapter.lora import available_adapters as adapter_listing
+from openai_adapter.models import available_adapters as adapter_listing
 from openai_adapter.protocol import ChatCompletionRequest, CompletionRequest
 from openai_adapter.triton_client import _error_from_message
 

@@ -63,9 +63,12 @@ def test_models_lists_adapters_and_which_is_loaded(client, stack):
             break
         time.sleep(0.25)
     assert list(cards) == [stack.model_name, f"{stack.model_name}:alpha", f"{stack.model_name}:beta"]
-    assert cards[f"{stack.model_name}:beta"] == {"parent": stack.model_name, "loaded": True}
-    assert cards[f"{stack.model_name}:alpha"] == {"parent": stack.model_name, "loaded": False}
-    assert cards[stack.model_name] == {}
+    max_model_len = cards[stack.model_name]["max_model_len"]
+    assert cards[f"{stack.model_name}:beta"] == {"parent": stack.model_name, "loaded": True,
+                                                "max_model_len": max_model_len}
+    assert cards[f"{stack.model_name}:alpha"] == {"parent": stack.model_name, "loaded": False,
+                                                 "max_model_len": max_model_len}
+    assert cards[stack.model_name] == {"max_model_len": max_model_len}
 
 
 def test_hidden_states_match_transformers_after_the_final_norm(client, stack, default_model_dir):

@@ -197,3 +197,25 @@ def test_chat_content_parts_are_concatenated_text(stack, client):
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
     error = _error(_post(stack, "chat/completions", messages=[{"role": "user", "content": [parts[0], image]}]))
     assert error["param"] == "messages" and "'image_url' are not supported" in error["message"]
+
+
+# --- GET /v1/models/{model}, and max_model_len in the entries (item 4) ----------------------------------------
+
+
+def test_models_are_retrieved_one_by_one_with_max_model_len(stack, client):
+    listed = httpx.get(f"{stack.base_url}/models", timeout=30).json()["data"]
+    assert {card["id"] for card in listed} >= {stack.model_name, f"{stack.model_name}:alpha"}
+    for card in listed:
+        assert httpx.get(f"{stack.base_url}/models/{card['id']}", timeout=30).json() == card
+        assert card["max_model_len"] == listed[0]["max_model_len"]
+    model = client.models.retrieve(stack.model_name)
+    assert (model.id, model.object, model.owned_by) == (stack.model_name, "model", "tritonllm")
+    # max_model_len is the engine's own limit: one token more than it holds is refused
+    max_model_len = listed[0]["max_model_len"]
+    prompt_tokens = _post(stack, "completions", prompt=PROMPT, max_tokens=1).json()["usage"]["prompt_tokens"]
+    error = _error(_post(stack, "completions", prompt=PROMPT, max_tokens=max_model_len - prompt_tokens + 1))
+    assert f"context length of {max_model_len} tokens" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    error = _error(httpx.get(f"{stack.base_url}/models/{stack.model_name}:no-such-adapter", timeout=30), 404)
+    assert error["code"] == "model_not_found"
