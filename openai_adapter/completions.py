@@ -65,6 +65,7 @@ def sampling_parameters(request: GenerationRequest) -> dict:
         "no_stop_trim": (request.no_stop_trim, False),
         "logprobs": (request.engine_logprobs(), None),
         "prompt_logprobs": (engine_prompt_logprobs(request), None),
+        "cache_salt": (request.cache_salt, None),
         "return_hidden_states": (request.return_hidden_states, False),
         "return_prompt_hidden_states": (request.return_hidden_states and request.echo, False),
         "return_routed_experts": (request.return_routed_experts, False),

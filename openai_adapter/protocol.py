@@ -215,6 +215,8 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, Nul
     lora_path: str | list[str | None] | None = None
     """SGLang extension: the LoRA adapter (its name or a path inside the server's adapters directory), or one
     per prompt (null: the base model). `model: "<served model>:<adapter>"` says the same."""
+    cache_salt: str | None = None
+    """vLLM and SGLang extension: requests share cached prompt prefixes only with requests of the same salt."""
     return_hidden_states: bool = False
     """SGLang extension: each choice gets `hidden_states`, the final hidden state (after the last norm) of each
     generated token, and of each prompt token first with echo."""

@@ -5,6 +5,7 @@ whole stack behaves the same (issue 18): tried through `tritonllm serve` with th
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import numpy as np
@@ -219,3 +220,21 @@ def test_models_are_retrieved_one_by_one_with_max_model_len(stack, client):
         client.models.retrieve("no-such-model")
     error = _error(httpx.get(f"{stack.base_url}/models/{stack.model_name}:no-such-adapter", timeout=30), 404)
     assert error["code"] == "model_not_found"
+
+
+# --- cache_salt separates the prefix cache (item 8) -----------------------------------------------------------
+
+
+def test_cache_salt_separates_cached_prefixes(stack):
+    prompt = f"Request {uuid.uuid4().hex}: " + "a long shared system prompt, " * 8  # several KV blocks, unseen
+
+    def cached(**fields) -> int:
+        usage = _post(stack, "completions", prompt=prompt, max_tokens=1, **fields).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") >= 32  # the same salt shares the prefix
+    assert cached(cache_salt="tenant-b") == 0  # another salt does not
+    assert cached() == 0  # nor does no salt
+    assert cached() >= 32
+    assert cached(cache_salt="tenant-b") >= 32

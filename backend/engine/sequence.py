@@ -107,9 +107,11 @@ class Sequence:
         return self.params.return_prompt_hidden_states and self.num_prompt_hidden_states < self.num_prompt_tokens
 
     @property
-    def prefix_cache_salt(self) -> str | None:
-        """KV computed under one adapter is not valid for another (or the base model): the cache keys differ."""
-        return None if self.request.lora is None else self.request.lora.name
+    def prefix_cache_salt(self) -> tuple[str | None, str | None] | None:
+        """KV computed under one adapter is not valid for another (or the base model), and a request's cache_salt
+        keeps its prefixes from requests with another salt (or none): the cache keys differ."""
+        adapter = None if self.request.lora is None else self.request.lora.name
+        return None if adapter is None and self.params.cache_salt is None else (adapter, self.params.cache_salt)
 
 
 @dataclass

@@ -90,6 +90,8 @@ _PARAMETERS = (
               api_names=("guided_grammar", "guided_choice")),
     Parameter("lora_path", "string", "LoRA adapter: its name or a path inside the adapters directory",
               nullable=True),
+    Parameter("cache_salt", "string", "requests share cached prompt prefixes only with requests of the same salt "
+              "(vLLM's and SGLang's; e.g. one per tenant)", nullable=True),
     Parameter("return_hidden_states", "bool", "each generated token's final hidden state"),
     Parameter("return_prompt_hidden_states", "bool", "each prompt token's final hidden state too (echo)"),
     Parameter("return_routed_experts", "bool", "MoE models: each generated token's experts per layer"),
@@ -216,6 +218,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     lora_path: str | None = None
+    cache_salt: str | None = None
     return_hidden_states: bool = False
     return_prompt_hidden_states: bool = False
     return_routed_experts: bool = False
