@@ -14,7 +14,7 @@ from contextlib import aclosing
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import CONSTRAINTS, SamplingParams
 from openai_adapter.concurrency import merge
-from openai_adapter.echo import Echo, echo_from_prompt_logprobs, engine_prompt_logprobs
+from openai_adapter.echo import Echo, echo_from_prompt_logprobs, echo_prompt_logprobs
 from openai_adapter.errors import (
     AdapterError,
     internal_error,
@@ -23,7 +23,7 @@ from openai_adapter.errors import (
     parameter_not_enabled,
     unsupported_parameter,
 )
-from openai_adapter.logprobs import LogprobsAccumulator
+from openai_adapter.logprobs import LogprobsAccumulator, vllm_prompt_logprobs
 from openai_adapter.protocol import (
     CachedTokensDetails,
     CompletionChoice,
@@ -35,6 +35,12 @@ from openai_adapter.protocol import (
     Usage,
 )
 from openai_adapter.triton_client import ChoiceOutput, TritonChunk, TritonClient
+
+
+def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
+    """The prompt logprobs the engine returns: what the echo needs or the client asked for, whichever is more
+    (each use keeps the alternatives it needs); None: none."""
+    return max((k for k in (echo_prompt_logprobs(request), request.prompt_logprobs) if k is not None), default=None)
 
 
 def sampling_parameters(request: GenerationRequest) -> dict:
@@ -150,11 +156,12 @@ class _ChoiceState:
             return None
         return CompletionChoice(index=self.index, text="", hidden_states=self._hidden_states)
 
-    def whole(self) -> CompletionChoice:
+    def whole(self, prompt_logprobs: list[dict | None] | None) -> CompletionChoice:
         return CompletionChoice(
             index=self.index,
             text="".join(self._text_parts),
             logprobs=self._logprobs.total if self._logprobs else None,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=self.finish_reason,
             matched_stop=self.matched_stop,
             hidden_states=self._hidden_states,
@@ -183,12 +190,15 @@ class CompletionAssembler:
         ]
         # Prompts whose echo is built from the prompt logprobs of their first response carrying them.
         self._awaiting_echo: set[int] = set()
-        if request.echo and engine_prompt_logprobs(request) is None:
+        if request.echo and echo_prompt_logprobs(request) is None:
             for prompt_index, prompt in enumerate(self._prompts):
                 for state in self._choices_of(prompt_index):
                     state.echo(Echo(prompt, []))
         elif request.echo:
             self._awaiting_echo = set(range(len(self._prompts)))
+        # vLLM's prompt_logprobs of each prompt, when asked for: given to each of its choices
+        self._num_prompt_top = request.prompt_logprobs
+        self._prompt_logprobs: list[list[dict | None] | None] = [None] * len(self._prompts)
         self._prompt_tokens = [0] * len(self._prompts)
         self._cached_tokens = [0] * len(self._prompts)
         self._with_cache_details = request.return_cached_tokens_details
@@ -203,6 +213,8 @@ class CompletionAssembler:
         if chunk.num_cached_tokens is not None:
             self._cached_tokens[prompt_index] = chunk.num_cached_tokens
         states = self._choices_of(prompt_index)
+        if chunk.prompt_logprobs is not None and self._num_prompt_top is not None:
+            self._prompt_logprobs[prompt_index] = vllm_prompt_logprobs(chunk.prompt_logprobs, self._num_prompt_top)
         if chunk.prompt_logprobs is not None and prompt_index in self._awaiting_echo:
             self._awaiting_echo.discard(prompt_index)
             echo = echo_from_prompt_logprobs(self._prompts[prompt_index], chunk.prompt_logprobs, self._logprobs)
@@ -226,6 +238,8 @@ class CompletionAssembler:
             raise internal_error(f"Triton ended the request without finishing choices {unfinished}.")
         if self._awaiting_echo:
             raise internal_error(f"Triton returned no prompt logprobs to echo prompts {sorted(self._awaiting_echo)}.")
+        if self._num_prompt_top is not None and None in self._prompt_logprobs:
+            raise internal_error("Triton returned no prompt logprobs for prompt_logprobs.")
 
     def usage(self) -> Usage:
         prompt_tokens = sum(self._prompt_tokens)
@@ -257,7 +271,8 @@ class CompletionAssembler:
 
     def response(self) -> CompletionResponse:
         self.check_finished()
-        return self.chunk([state.whole() for state in self._choices], self.usage())
+        return self.chunk([state.whole(self._prompt_logprobs[state.index // self._n]) for state in self._choices],
+                          self.usage())
 
 
 class CompletionService:
@@ -301,6 +316,8 @@ class CompletionService:
             raise unsupported_parameter(unsupported)
         request.constraint()  # more than one → 400
         check_parameters(request)
+        if request.stream and request.prompt_logprobs is not None:  # vLLM's rule: chunks carry none
+            raise invalid_request("prompt_logprobs cannot be streamed: set stream to false.", "prompt_logprobs")
         if request.suffix:
             raise invalid_request(
                 f"suffix is not supported: the model '{self._served_model_name}' has no fill-in-the-middle support.",

@@ -19,7 +19,7 @@ class Echo:
     empty when the client asked for no logprobs."""
 
 
-def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
+def echo_prompt_logprobs(request: GenerationRequest) -> int | None:
     """The `prompt_logprobs` the engine must return for the request's echo; None when echo needs none."""
     if not request.echo:
         return None

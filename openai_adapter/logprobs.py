@@ -25,6 +25,12 @@ def trimmed(entry: dict, num_top: int) -> dict:
             if token_id == own or (value["rank"] is not None and value["rank"] <= num_top)}
 
 
+def vllm_prompt_logprobs(entries: list[dict], num_top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a prompt: None for its first token (nothing predicts it), then each token's
+    entry with its num_top most likely alternatives."""
+    return [None, *(trimmed(entry, num_top) for entry in entries[1:])]
+
+
 def _top_logprobs(entry: dict) -> dict[str, float] | None:
     """OpenAI's top_logprobs of one token: the alternatives and the token itself, most likely first (of two
     tokens with the same text, the more likely one's logprob)."""

@@ -80,7 +80,6 @@ class NotYetSupportedParameters(BaseModel):
 
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
-    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
@@ -254,6 +253,8 @@ class CompletionRequest(SamplingRequest, NotYetSupportedCompletionParameters):
     """Only empty: the served model has no fill-in-the-middle support (checked by the service)."""
     echo: bool = False
     logprobs: int | None = engine_field("logprobs")
+    prompt_logprobs: int | None = engine_field("prompt_logprobs")
+    """vLLM extension: each choice's `prompt_logprobs`, with this many alternatives per prompt token."""
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -316,6 +317,7 @@ class NotYetSupportedChatParameters(BaseModel):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # vLLM's; the completions API has it
 
 
 class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
@@ -423,10 +425,22 @@ class _WithHiddenStates(BaseModel):
         return data
 
 
+class Logprob(BaseModel):
+    """vLLM's logprob of one token."""
+
+    logprob: float | None
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(_WithHiddenStates):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, Logprob] | None] | None = None
+    """vLLM extension: per prompt token (null for the first, which nothing predicts) token id → its logprob, the
+    token first, then the `prompt_logprobs` most likely alternatives; null when not asked for (and left out of
+    stream chunks, which carry none)."""
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     """SGLang extension: the stop string (or the stop_regex pattern that matched) or the stop token id (EOS included)

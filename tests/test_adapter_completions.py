@@ -119,6 +119,9 @@ def test_sampling_parameters_send_new_parameters_only_when_not_neutral():
         ({"echo": True, "prompt": [1, 2]}, 0),  # a token-id prompt's text comes from the prompt logprobs
         ({"echo": True, "prompt": [[1, 2], [3]], "logprobs": 2}, 2),
         ({"prompt": [1, 2]}, None),
+        ({"prompt_logprobs": 2}, 2),  # vLLM's extension
+        ({"echo": True, "logprobs": 1, "prompt_logprobs": 3}, 3),  # the larger serves both
+        ({"echo": True, "logprobs": 4, "prompt_logprobs": 0}, 4),
     ],
 )
 def test_prompt_logprobs_are_requested_for_echo_only_when_needed(fields, prompt_logprobs):

@@ -125,7 +125,6 @@ def test_best_of_below_n_or_streamed_above_n_is_400(client, fields):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("prompt_logprobs", 1),
         ("include_stop_str_in_output", True),
     ],
 )

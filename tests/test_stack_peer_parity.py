@@ -238,3 +238,31 @@ def test_cache_salt_separates_cached_prefixes(stack):
     assert cached() == 0  # nor does no salt
     assert cached() >= 32
     assert cached(cache_salt="tenant-b") >= 32
+
+
+# --- vLLM's prompt_logprobs -----------------------------------------------------------------------------------
+
+
+def test_prompt_logprobs_as_vllm_gives_them(stack):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "n": 2}
+    plain = _post(stack, "completions", **body).json()
+    assert all("prompt_logprobs" in choice and choice["prompt_logprobs"] is None for choice in plain["choices"])
+    scored = _post(stack, "completions", prompt_logprobs=2, **body).json()
+    # echo with logprobs 2 scores the same prompt tokens, OpenAI's way
+    echoed = _post(stack, "completions", echo=True, logprobs=2, **{**body, "n": 1}).json()["choices"][0]["logprobs"]
+    prompt_tokens = scored["usage"]["prompt_tokens"]
+    for choice in scored["choices"]:
+        prompt_logprobs = choice["prompt_logprobs"]
+        assert len(prompt_logprobs) == prompt_tokens and prompt_logprobs[0] is None  # nothing predicts the first
+        assert choice["logprobs"] is None and choice["text"] == plain["choices"][0]["text"]
+        for position, entry in enumerate(prompt_logprobs[1:], start=1):
+            assert 1 <= len(entry) <= 3 and all(set(value) == {"logprob", "rank", "decoded_token"}
+                                                for value in entry.values())
+            token = next(iter(entry.values()))  # the prompt token itself first
+            assert token["decoded_token"] == echoed["tokens"][position]
+            assert token["logprob"] == pytest.approx(echoed["token_logprobs"][position], abs=1e-5)
+            assert sorted(value["rank"] for value in entry.values())[:2] == [1, 2]
+    error = _error(_post(stack, "completions", prompt_logprobs=1, stream=True, **body))
+    assert error["param"] == "prompt_logprobs"
+    error = _error(_post(stack, "completions", prompt_logprobs=21, **body))
+    assert error["param"] == "prompt_logprobs" and "[0, 20]" in error["message"]
