@@ -65,6 +65,7 @@ def sampling_parameters(request: GenerationRequest) -> dict:
         "presence_penalty": (request.presence_penalty, 0.0),
         "repetition_penalty": (request.repetition_penalty, 1.0),
         "logit_bias": (request.logit_bias, {}),
+        "allowed_token_ids": (request.allowed_token_ids or [], []),
         "stop": (request.stop_strings(), []),
         "stop_regex": (request.stop_regexes(), []),
         "stop_token_ids": (request.stop_token_ids, []),

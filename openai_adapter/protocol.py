@@ -80,7 +80,6 @@ class NotYetSupportedParameters(BaseModel):
 
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False  # vLLM's beam search, and its parameter
@@ -214,6 +213,8 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, Nul
     lora_path: str | list[str | None] | None = None
     """SGLang extension: the LoRA adapter (its name or a path inside the server's adapters directory), or one
     per prompt (null: the base model). `model: "<served model>:<adapter>"` says the same."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM extension: only these tokens may be generated."""
     cache_salt: str | None = None
     """vLLM and SGLang extension: requests share cached prompt prefixes only with requests of the same salt."""
     return_hidden_states: bool = False

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from stack_helpers import grpc_generate
 
@@ -266,3 +267,20 @@ def test_prompt_logprobs_as_vllm_gives_them(stack):
     assert error["param"] == "prompt_logprobs"
     error = _error(_post(stack, "completions", prompt_logprobs=21, **body))
     assert error["param"] == "prompt_logprobs" and "[0, 20]" in error["message"]
+
+
+# --- vLLM's allowed_token_ids ---------------------------------------------------------------------------------
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(stack, default_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    allowed = [tokenizer.convert_tokens_to_ids(token) for token in ("7", ",", "Ġ8")]
+    texts = {tokenizer.decode([token_id]) for token_id in allowed}
+    body = {"prompt": COUNTING, "max_tokens": 12, "logprobs": 0, "allowed_token_ids": allowed}
+    for sampling in ({"temperature": 0}, {"temperature": 1.5, "seed": 5, "n": 2}):
+        for choice in _post(stack, "completions", **body, **sampling).json()["choices"]:
+            assert set(choice["logprobs"]["tokens"]) <= texts and len(choice["logprobs"]["tokens"]) == 12
+    free = _post(stack, "completions", prompt=COUNTING, max_tokens=12, temperature=0).json()["choices"][0]["text"]
+    assert free.startswith(" 5, 6")  # (so the allowed tokens did change the output)
+    error = _error(_post(stack, "completions", prompt=COUNTING, allowed_token_ids=[10**6]))
+    assert error["param"] == "allowed_token_ids" and "outside the vocabulary" in error["message"]

@@ -77,7 +77,7 @@ class Sampler:
                 if seq.num_output_tokens < seq.params.min_tokens}
         biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
         penalized = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
-        constrained = any(seq.grammar is not None for seq in seqs)
+        constrained = any(seq.has_token_mask for seq in seqs)
         if not (bans or biased or penalized or constrained):
             return logits
         logits = logits.clone()
@@ -93,7 +93,7 @@ class Sampler:
             if banned:
                 logits[i, banned] = float("-inf")
         if constrained:
-            bitmask = self.bitmasks.fill([seq.grammar for seq in seqs])
+            bitmask = self.bitmasks.fill(seqs)
             apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
         return logits
 

@@ -37,6 +37,7 @@ class CoreRequest:
     max_tokens: int  # params.max_tokens resolved against the context length
     lora: LoraAdapter | None = None
     grammar: Future | None = None  # the compiling matcher of a constrained request
+    allowed_tokens: torch.Tensor | None = None  # [bitmask words] int32 of params.allowed_token_ids, built once
     sequences: list["Sequence"] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     prompt_hidden_states_sent: bool = False
@@ -96,6 +97,11 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and not all computed: its prompt must not come from the cache."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def has_token_mask(self) -> bool:
+        """Its grammar or its request's allowed_token_ids limit the tokens it may sample."""
+        return self.grammar is not None or self.request.allowed_tokens is not None
 
     @property
     def num_prompt_hidden_states(self) -> int:

@@ -78,6 +78,7 @@ _PARAMETERS = (
     Parameter("repetition_penalty", "float", "over prompt and output tokens (divides positive logits)",
               minimum=0.0, maximum=2.0, exclusive_minimum=True),
     Parameter("logit_bias", "logit_bias", "token id → bias added to its logit", minimum=-100.0, maximum=100.0),
+    Parameter("allowed_token_ids", "token_ids", "only these tokens may be generated (vLLM's); empty: any"),
     Parameter("logprobs", "int", "alternatives per generated token with logprobs; null: no logprobs",
               nullable=True, minimum=0, maximum=MAX_LOGPROBS, api_names=("top_logprobs",)),
     Parameter("prompt_logprobs", "int", "logprobs of the prompt tokens, with this many alternatives",
@@ -212,6 +213,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     json_schema: str | None = None
