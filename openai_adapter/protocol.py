@@ -109,15 +109,34 @@ class JsonSchemaFormat(BaseModel):
     """Accepted for compatibility: the schema is always enforced."""
 
 
+class StructuralTagStructure(BaseModel):
+    """One structure of SGLang's `structural_tag` response format."""
+
+    begin: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    end: str
+
+
 class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # SGLang's structural_tag: the engine checks them (and refuses xgrammar's `format` and `at_least_one`)
+    structures: list[StructuralTagStructure] | None = None
+    triggers: list[str] | None = None
+    at_least_one: bool | None = None
+    format: Any = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object with a schema")
+        if self.type == "structural_tag" and self.format is None and (self.structures is None or self.triggers is None):
+            raise ValueError("type 'structural_tag' needs structures and triggers")
         return self
+
+    def structural_tag(self) -> dict[str, Any]:
+        """The engine's structural_tag (SGLang's sampling parameter: the response format itself)."""
+        return self.model_dump(by_alias=True, exclude_none=True, exclude={"json_schema"})
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,7 @@ class Constraint:
 
     param: str
     engine_field: str
-    """The engine's sampling parameter: json_schema, regex or ebnf (a Lark or GBNF grammar)."""
+    """The engine's sampling parameter: json_schema, regex, ebnf (a Lark or GBNF grammar) or structural_tag."""
     text: str
 
 
@@ -164,6 +183,8 @@ class StructuredOutputParameters(BaseModel):
             add("response_format", "json_schema", {"type": "object"})
         if response_format is not None and response_format.type == "json_schema":
             add("response_format", "json_schema", response_format.json_schema.schema_)
+        if response_format is not None and response_format.type == "structural_tag":
+            add("response_format", "structural_tag", response_format.structural_tag())
         add("json_schema", "json_schema", self.json_schema)
         add("regex", "regex", self.regex)
         add("ebnf", "ebnf", self.ebnf)

@@ -284,3 +284,33 @@ def test_allowed_token_ids_are_the_only_tokens_generated(stack, default_model_di
     assert free.startswith(" 5, 6")  # (so the allowed tokens did change the output)
     error = _error(_post(stack, "completions", prompt=COUNTING, allowed_token_ids=[10**6]))
     assert error["param"] == "allowed_token_ids" and "outside the vocabulary" in error["message"]
+
+
+# --- SGLang's structural_tag response format (item 10) --------------------------------------------------------
+
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                  "unit": {"enum": ["C", "F"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}  # unlike the prompt's examples
+STRUCTURAL_TAG = {"type": "structural_tag", "triggers": ["<function="],
+                  "structures": [{"begin": "<function=get_weather>", "schema": WEATHER_SCHEMA, "end": "</function>"}]}
+TOOL_PROMPT = ('Calls of the weather tool, one per line:\n<function=get_weather>{"city": "Paris"}</function>\n'
+               '<function=get_weather>{"city": "Rome"}</function>\n')
+
+
+def test_structural_tag_constrains_what_follows_each_trigger(stack):
+    body = {"prompt": TOOL_PROMPT, "max_tokens": 40, "temperature": 0, "stop": ["\n\n"]}
+    text = _post(stack, "completions", response_format=STRUCTURAL_TAG, **body).json()["choices"][0]["text"]
+    calls = text.split("<function=")[1:]
+    assert calls, text  # the examples make the model call the tool
+    free = _post(stack, "completions", **body).json()["choices"][0]["text"]
+    assert '"unit"' not in free  # (so the schema, not the examples, gave the unit)
+    for call in calls[:-1] if not text.rstrip().endswith("</function>") else calls:  # (max_tokens may cut the last)
+        arguments = call.removeprefix("get_weather>").split("</function>")[0]
+        assert call.startswith("get_weather>") and set(json.loads(arguments)) == {"city", "unit"}, text
+    for bad, message in [
+        ({**STRUCTURAL_TAG, "triggers": ["<tool>"]}, "starts with none of the triggers"),
+        ({"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}, "'format' form"),
+        ({"type": "structural_tag", "triggers": ["<"]}, "needs structures and triggers"),
+    ]:
+        error = _error(_post(stack, "completions", response_format=bad, **body))
+        assert error["param"] == "response_format" and message in error["message"]
