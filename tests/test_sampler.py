@@ -3,7 +3,9 @@
 import torch
 
 from backend.engine.sampler import sample_from
+from backend.engine.structured_output import allowed_tokens_bitmask
 from kernels import filter_probs
+from kernels.sampling import apply_token_bitmask_reference
 
 
 def test_filters_keep_what_each_rule_allows():
@@ -44,9 +46,6 @@ def test_inverse_cdf_draws_follow_the_distribution():
 
 
 def test_allowed_tokens_bitmask_sets_exactly_their_bits():
-    from backend.engine.structured_output import allowed_tokens_bitmask
-    from kernels.sampling import apply_token_bitmask_reference
-
     allowed = [0, 31, 32, 63, 70]
     logits = torch.zeros(1, 71)
     apply_token_bitmask_reference(logits, allowed_tokens_bitmask(allowed, 71).unsqueeze(0))
