@@ -12,7 +12,7 @@ import numpy as np
 
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
-from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS
+from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING, message_text
 from backend.processing.outputs import RequestOutput, TokenLogprob
 
 
@@ -44,20 +44,25 @@ def _text(value, name: str) -> str:
 
 
 def _messages(raw: str) -> list[dict]:
-    """The `messages` input: a JSON list of {role, content} chat messages."""
+    """The `messages` input: a JSON list of {role, content} chat messages (content: a string or text parts)."""
     try:
         messages = json.loads(raw)
     except json.JSONDecodeError as error:
         raise InvalidRequest(f"input messages is not valid JSON: {error}") from None
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("input messages must be a non-empty JSON list of {role, content} objects")
+    rendered = []
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES \
-                or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES or "content" not in message:
             raise InvalidRequest(f"messages[{index}] must be an object with a role in {list(CHAT_ROLES)} "
                                  "and a string content")
-    # Only role and content reach the chat template: other keys would change the rendering unnoticed.
-    return [{"role": message["role"], "content": message["content"]} for message in messages]
+        try:
+            content = message_text(message["content"])
+        except ValueError as error:
+            raise InvalidRequest(f"messages[{index}]: {error}") from None
+        # Only role and content reach the chat template: other keys would change the rendering unnoticed.
+        rendered.append({"role": message["role"], "content": content})
+    return rendered
 
 
 def _prompt(inputs: dict[str, np.ndarray | None]) -> str | list[int] | list[dict]:
@@ -86,6 +91,10 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
              + RETURN_FLAGS}
     if flags["stream"]:
         params.check_streamable()
+        # A stream carries only new text; vllm_backend refuses an explicit request for the prompt in it.
+        if inputs.get("exclude_input_in_output") is not None and not flags["exclude_input_in_output"]:
+            raise InvalidRequest("exclude_input_in_output false cannot be streamed: streamed responses carry only "
+                                 "new text (leave it out or set it true)")
     return ParsedRequest(
         prompt=prompt, params=params, stream=flags["stream"],
         exclude_input_in_output=flags["exclude_input_in_output"],
@@ -94,8 +103,12 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
 
 
 def _logprob_entry(lp: TokenLogprob) -> dict:
-    top = None if lp.logprob is None else {text: logprob for _, text, logprob in lp.top}
-    return {"token": lp.token, "token_id": lp.token_id, "logprob": lp.logprob, "top": top}
+    """vllm_backend's entry of one token: token id → {logprob, rank, decoded_token}, the token itself first, then
+    its most likely alternatives (a token that is one of them appears once)."""
+    entry = {lp.token_id: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}}
+    for rank, (token_id, text, logprob) in enumerate(lp.top, start=1):
+        entry.setdefault(token_id, {"logprob": logprob, "rank": rank, "decoded_token": text})
+    return entry
 
 
 class ResponseBuilder:
@@ -105,11 +118,13 @@ class ResponseBuilder:
         self.request = request
         count = request.params.num_sequences
         self.texts = [""] * count
-        self.finish_reasons = [""] * count
+        # A choice's state, in every response: RUNNING until it ends, then why it ended.
+        self.finish_reasons = [RUNNING] * count
         self.matched_stops: list[str | int | None] = [None] * count
         self.logprobs: list[list] = [[] for _ in range(count)]
         self.cumulative_logprobs = [0.0] * count
         self.num_output_tokens = [0] * count
+        self.num_reported_tokens = [0] * count  # streaming: num_output_tokens counts each response's own tokens
         self.prompt_logprobs: list | None = None
         self.hidden_states: list[list] = [[] for _ in range(count)]
         self.prompt_hidden_states: list | None = None
@@ -121,7 +136,6 @@ class ResponseBuilder:
         count = self.request.params.num_sequences
         if self.request.stream:  # each response carries only what is new
             self.texts, self.logprobs = [""] * count, [[] for _ in range(count)]
-            self.finish_reasons, self.matched_stops = [""] * count, [None] * count
             self.prompt_logprobs, self.prompt_hidden_states = None, None
             self.hidden_states = [[] for _ in range(count)]
             self.routed_experts = [[] for _ in range(count)]
@@ -137,7 +151,7 @@ class ResponseBuilder:
             self.routed_experts[i].extend(experts.tolist() for experts in delta.routed_experts)
             self.cumulative_logprobs[i] = delta.cumulative_logprob
             self.num_output_tokens[i] = delta.num_output_tokens
-            self.finish_reasons[i] = delta.finish_reason or ""
+            self.finish_reasons[i] = delta.finish_reason or RUNNING
             self.matched_stops[i] = delta.matched_stop
         if not self.request.stream and not output.finished:
             return None
@@ -162,8 +176,9 @@ class ResponseBuilder:
             tensors["matched_stop"] = strings([json.dumps(m) for m in self.matched_stops])
         if "cumulative_logprob" in wanted:
             tensors["cumulative_logprob"] = np.array([self.cumulative_logprobs[i] for i in kept], dtype=np.float32)
-        if "logprobs" in wanted:
-            tensors["logprobs"] = strings([json.dumps(entries) for entries in self.logprobs])
+        if "logprobs" in wanted:  # null per choice when the request asked for no logprobs, as vllm_backend
+            with_logprobs = self.request.params.logprobs is not None
+            tensors["logprobs"] = strings([json.dumps(entries if with_logprobs else None) for entries in self.logprobs])
         if self.prompt_logprobs is not None:
             tensors["prompt_logprobs"] = np.array([json.dumps(self.prompt_logprobs).encode()], dtype=np.object_)
         if self.request.params.return_hidden_states:
@@ -175,8 +190,11 @@ class ResponseBuilder:
                                                        dtype=np.object_)
         if "num_input_tokens" in wanted:
             tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
-        if "num_output_tokens" in wanted:
-            tensors["num_output_tokens"] = np.array([self.num_output_tokens[i] for i in kept], dtype=np.uint32)
+        if "num_output_tokens" in wanted:  # the tokens this response carries, as vllm_backend counts them
+            tensors["num_output_tokens"] = np.array([self.num_output_tokens[i] - self.num_reported_tokens[i]
+                                                     for i in kept], dtype=np.uint32)
+            if self.request.stream:
+                self.num_reported_tokens = list(self.num_output_tokens)
         if "num_cached_tokens" in wanted:
             tensors["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.uint32)
         return tensors

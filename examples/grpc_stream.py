@@ -38,15 +38,17 @@ def main() -> None:
     # A decoupled model answers only streaming RPCs; each new piece of text is one response.
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    tokens = 0
     while True:
         result, error = responses.get()
         if error is not None:
             raise SystemExit(f"error: {error}")
         if result.as_numpy("text_output") is not None:
             print(result.as_numpy("text_output")[0].decode(), end="", flush=True)
+            tokens += int(result.as_numpy("num_output_tokens")[0])  # the tokens of this response
             reason = result.as_numpy("finish_reason")[0].decode()
-            if reason:
-                print(f"\n[finish_reason={reason}, tokens={result.as_numpy('num_output_tokens')[0]}]")
+            if reason != "None":  # "None" while running (vllm_backend's convention)
+                print(f"\n[finish_reason={reason}, tokens={tokens}]")
         if result.get_response().parameters["triton_final_response"].bool_param:
             break
     client.stop_stream()

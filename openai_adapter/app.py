@@ -14,10 +14,10 @@ from openai_adapter.auth import api_key_dependency
 from openai_adapter.chat import ChatService
 from openai_adapter.completions import CompletionService
 from openai_adapter.concurrency import cancel_on_disconnect
-from openai_adapter.errors import install_exception_handlers, service_unavailable
+from openai_adapter.errors import install_exception_handlers, model_not_found, service_unavailable
 from openai_adapter.limits import check_limits, read_body
-from openai_adapter.lora import available_adapters, loaded_adapters
 from openai_adapter.metrics import AdapterMetrics, MetricsMiddleware
+from openai_adapter.models import model_cards
 from openai_adapter.openapi import error_responses, generation_route_docs, install_request_components
 from openai_adapter.protocol import (
     ChatCompletionChunk,
@@ -90,16 +90,15 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     @v1.get("/models", responses=error_responses(401) if with_auth else None)
     async def list_models() -> ModelList:
         """The base model, then each LoRA adapter as `<base>:<adapter>` (what `model` accepts)."""
-        base = settings.served_model_name
-        cards = [ModelCard(id=base, created=started)]
-        if settings.lora_dir is not None:
-            loaded = await loaded_adapters(settings.triton_metrics_url) if settings.triton_metrics_url else None
-            cards += [
-                ModelCard(id=f"{base}:{name}", created=started, parent=base,
-                          loaded=None if loaded is None else name in loaded)
-                for name in available_adapters(settings.lora_dir)
-            ]
-        return ModelList(data=cards)
+        return ModelList(data=await model_cards(settings, started))
+
+    @v1.get("/models/{model:path}", responses=error_responses(*((401, 404) if with_auth else (404,))))
+    async def retrieve_model(model: str) -> ModelCard:
+        """One entry of /v1/models (adapter names may hold slashes); 404 model_not_found for any other."""
+        card = next((card for card in await model_cards(settings, started) if card.id == model), None)
+        if card is None:
+            raise model_not_found(model)
+        return card
 
     app.include_router(v1)
 

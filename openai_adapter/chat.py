@@ -38,7 +38,7 @@ class ChatService:
                 ChatCompletionChoice(
                     index=choice.index,
                     message=AssistantMessage(content=choice.text),
-                    logprobs=chat_logprobs(choice.logprobs) if choice.logprobs else None,
+                    logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,
                     finish_reason=choice.finish_reason,
                     matched_stop=choice.matched_stop,
                     hidden_states=choice.hidden_states,
@@ -53,10 +53,10 @@ class ChatService:
         """Chat chunks; each choice's first one carries the assistant role, and one its finish reason."""
         started: set[int] = set()
         async for chunk in self._completions.stream(request):
-            yield _chat_chunk(chunk, started)
+            yield _chat_chunk(chunk, started, request.engine_logprobs())
 
 
-def _chat_chunk(chunk: CompletionResponse, started: set[int]) -> ChatCompletionChunk:
+def _chat_chunk(chunk: CompletionResponse, started: set[int], num_top: int | None) -> ChatCompletionChunk:
     """One completion chunk as a chat chunk; `started` holds the choices that have had their first chunk."""
     choices = []
     for choice in chunk.choices:
@@ -65,11 +65,12 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int]) -> ChatCompletionC
         choices.append(
             ChatChunkChoice(
                 index=choice.index,
-                delta=ChatDelta(role="assistant" if first else None, content=choice.text),
-                logprobs=chat_logprobs(choice.logprobs) if choice.logprobs else None,
+                # SGLang streams hidden states in the delta (of a chunk of their own)
+                delta=ChatDelta(role="assistant" if first else None, content=choice.text,
+                                hidden_states=choice.hidden_states),
+                logprobs=chat_logprobs(choice.logprobs, num_top) if choice.logprobs else None,
                 finish_reason=choice.finish_reason,
                 matched_stop=choice.matched_stop,
-                hidden_states=choice.hidden_states,
             )
         )
     return ChatCompletionChunk(

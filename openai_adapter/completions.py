@@ -14,7 +14,7 @@ from contextlib import aclosing
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import CONSTRAINTS, SamplingParams
 from openai_adapter.concurrency import merge
-from openai_adapter.echo import Echo, echo_from_prompt_logprobs, engine_prompt_logprobs
+from openai_adapter.echo import Echo, echo_from_prompt_logprobs, echo_prompt_logprobs
 from openai_adapter.errors import (
     AdapterError,
     internal_error,
@@ -23,7 +23,7 @@ from openai_adapter.errors import (
     parameter_not_enabled,
     unsupported_parameter,
 )
-from openai_adapter.logprobs import LogprobsAccumulator
+from openai_adapter.logprobs import LogprobsAccumulator, vllm_prompt_logprobs
 from openai_adapter.protocol import (
     CachedTokensDetails,
     CompletionChoice,
@@ -35,6 +35,12 @@ from openai_adapter.protocol import (
     Usage,
 )
 from openai_adapter.triton_client import ChoiceOutput, TritonChunk, TritonClient
+
+
+def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
+    """The prompt logprobs the engine returns: what the echo needs or the client asked for, whichever is more
+    (each use keeps the alternatives it needs); None: none."""
+    return max((k for k in (echo_prompt_logprobs(request), request.prompt_logprobs) if k is not None), default=None)
 
 
 def sampling_parameters(request: GenerationRequest) -> dict:
@@ -59,12 +65,14 @@ def sampling_parameters(request: GenerationRequest) -> dict:
         "presence_penalty": (request.presence_penalty, 0.0),
         "repetition_penalty": (request.repetition_penalty, 1.0),
         "logit_bias": (request.logit_bias, {}),
+        "allowed_token_ids": (request.allowed_token_ids or [], []),
         "stop": (request.stop_strings(), []),
         "stop_regex": (request.stop_regexes(), []),
         "stop_token_ids": (request.stop_token_ids, []),
         "no_stop_trim": (request.no_stop_trim, False),
         "logprobs": (request.engine_logprobs(), None),
         "prompt_logprobs": (engine_prompt_logprobs(request), None),
+        "cache_salt": (request.cache_salt, None),
         "return_hidden_states": (request.return_hidden_states, False),
         "return_prompt_hidden_states": (request.return_hidden_states and request.echo, False),
         "return_routed_experts": (request.return_routed_experts, False),
@@ -107,7 +115,6 @@ class _ChoiceState:
         self._unsent_echo = _NO_ECHO
         self._logprobs = LogprobsAccumulator() if with_logprobs else None
         self._hidden_states: list[list[float]] | None = [] if with_hidden_states else None
-        self._unsent_prompt_hidden_states: list[list[float]] = []
         self._routed_experts: list[list[list[int]]] | None = [] if with_routed_experts else None
 
     def echo(self, echo: Echo) -> None:
@@ -115,22 +122,20 @@ class _ChoiceState:
         self._unsent_echo = echo
 
     def echo_hidden_states(self, rows: list[list[float]]) -> None:
-        """Put the prompt's hidden states before the choice's own; they go out with the next output."""
-        self._unsent_prompt_hidden_states = rows
+        """Put the prompt's hidden states before the choice's own."""
+        self._hidden_states[:0] = rows
 
     def add(self, output: ChoiceOutput) -> CompletionChoice | None:
-        """Record one response's output; returns what a stream chunk should carry, None if nothing new."""
+        """Record one response's output; returns what a stream chunk should carry, None if nothing new (hidden
+        states are not streamed with the text: see `hidden_states_chunk`)."""
         if self.finish_reason is not None:
             # Responses keep listing a finished choice while its siblings run; it has one finish chunk only.
             return None
         text = self._unsent_echo.text + output.text
         entries = self._unsent_echo.logprobs + output.logprobs
         self._unsent_echo = _NO_ECHO
-        hidden_states = None
         if self._hidden_states is not None:
-            hidden_states = self._unsent_prompt_hidden_states + output.hidden_states
-            self._unsent_prompt_hidden_states = []
-            self._hidden_states.extend(hidden_states)
+            self._hidden_states.extend(output.hidden_states)
         routed_experts = None
         if self._routed_experts is not None:
             routed_experts = output.routed_experts
@@ -138,20 +143,26 @@ class _ChoiceState:
         self._text_parts.append(text)
         self.finish_reason = output.finish_reason
         self.matched_stop = output.matched_stop
-        if output.num_output_tokens is not None:
-            self.num_output_tokens = output.num_output_tokens
+        self.num_output_tokens += output.num_output_tokens or 0
         logprobs = self._logprobs.add(entries) if self._logprobs else None
-        if not text and not entries and not hidden_states and not routed_experts and self.finish_reason is None:
+        if not text and not entries and not routed_experts and self.finish_reason is None:
             return None
         return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
-                                matched_stop=self.matched_stop, hidden_states=hidden_states,
-                                routed_experts=routed_experts)
+                                matched_stop=self.matched_stop, routed_experts=routed_experts)
 
-    def whole(self) -> CompletionChoice:
+    def hidden_states_chunk(self) -> CompletionChoice | None:
+        """SGLang's stream shape: a choice's hidden states come once its text has ended, in a chunk of their own
+        (no text, no finish reason); None when it has none."""
+        if not self._hidden_states:
+            return None
+        return CompletionChoice(index=self.index, text="", hidden_states=self._hidden_states)
+
+    def whole(self, prompt_logprobs: list[dict | None] | None) -> CompletionChoice:
         return CompletionChoice(
             index=self.index,
             text="".join(self._text_parts),
             logprobs=self._logprobs.total if self._logprobs else None,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=self.finish_reason,
             matched_stop=self.matched_stop,
             hidden_states=self._hidden_states,
@@ -170,22 +181,25 @@ class CompletionAssembler:
         self._created = int(time.time())
         self._model = request.model
         self._n = request.n
-        self._with_logprobs = request.engine_logprobs() is not None
+        self._logprobs = request.engine_logprobs()
         self._prompts = request.prompts()
         self._choices = [
-            _ChoiceState(index=index, with_logprobs=self._with_logprobs,
+            _ChoiceState(index=index, with_logprobs=self._logprobs is not None,
                          with_hidden_states=request.return_hidden_states,
                          with_routed_experts=request.return_routed_experts)
             for index in range(len(self._prompts) * request.n)
         ]
         # Prompts whose echo is built from the prompt logprobs of their first response carrying them.
         self._awaiting_echo: set[int] = set()
-        if request.echo and engine_prompt_logprobs(request) is None:
+        if request.echo and echo_prompt_logprobs(request) is None:
             for prompt_index, prompt in enumerate(self._prompts):
                 for state in self._choices_of(prompt_index):
                     state.echo(Echo(prompt, []))
         elif request.echo:
             self._awaiting_echo = set(range(len(self._prompts)))
+        # vLLM's prompt_logprobs of each prompt, when asked for: given to each of its choices
+        self._num_prompt_top = request.prompt_logprobs
+        self._prompt_logprobs: list[list[dict | None] | None] = [None] * len(self._prompts)
         self._prompt_tokens = [0] * len(self._prompts)
         self._cached_tokens = [0] * len(self._prompts)
         self._with_cache_details = request.return_cached_tokens_details
@@ -200,9 +214,11 @@ class CompletionAssembler:
         if chunk.num_cached_tokens is not None:
             self._cached_tokens[prompt_index] = chunk.num_cached_tokens
         states = self._choices_of(prompt_index)
+        if chunk.prompt_logprobs is not None and self._num_prompt_top is not None:
+            self._prompt_logprobs[prompt_index] = vllm_prompt_logprobs(chunk.prompt_logprobs, self._num_prompt_top)
         if chunk.prompt_logprobs is not None and prompt_index in self._awaiting_echo:
             self._awaiting_echo.discard(prompt_index)
-            echo = echo_from_prompt_logprobs(self._prompts[prompt_index], chunk.prompt_logprobs, self._with_logprobs)
+            echo = echo_from_prompt_logprobs(self._prompts[prompt_index], chunk.prompt_logprobs, self._logprobs)
             for state in states:
                 state.echo(echo)
         if chunk.prompt_hidden_states is not None:  # asked for only with echo
@@ -223,6 +239,8 @@ class CompletionAssembler:
             raise internal_error(f"Triton ended the request without finishing choices {unfinished}.")
         if self._awaiting_echo:
             raise internal_error(f"Triton returned no prompt logprobs to echo prompts {sorted(self._awaiting_echo)}.")
+        if self._num_prompt_top is not None and None in self._prompt_logprobs:
+            raise internal_error("Triton returned no prompt logprobs for prompt_logprobs.")
 
     def usage(self) -> Usage:
         prompt_tokens = sum(self._prompt_tokens)
@@ -248,9 +266,14 @@ class CompletionAssembler:
         return CompletionResponse(id=self.id, created=self._created, model=self._model, choices=choices,
                                   usage=usage, sglext=sglext)
 
+    def hidden_states_chunks(self) -> list[CompletionChoice]:
+        """The trailing chunk choices of a stream with hidden states, one per choice."""
+        return [choice for state in self._choices if (choice := state.hidden_states_chunk()) is not None]
+
     def response(self) -> CompletionResponse:
         self.check_finished()
-        return self.chunk([state.whole() for state in self._choices], self.usage())
+        return self.chunk([state.whole(self._prompt_logprobs[state.index // self._n]) for state in self._choices],
+                          self.usage())
 
 
 class CompletionService:
@@ -271,16 +294,18 @@ class CompletionService:
         return assembler.response()
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[CompletionResponse]:
-        """The chunks of a streamed completion; each choice gets exactly one chunk with a finish reason."""
+        """The chunks of a streamed completion, one choice each (as OpenAI, vLLM and SGLang: clients read
+        `choices[0]`); each choice gets exactly one chunk with a finish reason."""
         adapters = self._validate(request)
         assembler = CompletionAssembler(request)
         options = request.stream_options or StreamOptions()
         async with aclosing(self._responses(request, adapters, assembler.id)) as responses:
             async for prompt_index, chunk in responses:
-                choices = assembler.add(prompt_index, chunk)
-                if choices:
-                    yield assembler.chunk(choices, assembler.usage() if options.continuous_usage_stats else None)
+                for choice in assembler.add(prompt_index, chunk):
+                    yield assembler.chunk([choice], assembler.usage() if options.continuous_usage_stats else None)
         assembler.check_finished()
+        for choice in assembler.hidden_states_chunks():
+            yield assembler.chunk([choice])
         if options.include_usage:
             yield assembler.chunk([], assembler.usage())
 
@@ -292,6 +317,8 @@ class CompletionService:
             raise unsupported_parameter(unsupported)
         request.constraint()  # more than one → 400
         check_parameters(request)
+        if request.stream and request.prompt_logprobs is not None:  # vLLM's rule: chunks carry none
+            raise invalid_request("prompt_logprobs cannot be streamed: set stream to false.", "prompt_logprobs")
         if request.suffix:
             raise invalid_request(
                 f"suffix is not supported: the model '{self._served_model_name}' has no fill-in-the-middle support.",

@@ -7,6 +7,7 @@ token-id prompts even when the client asked for no logprobs.
 
 from dataclasses import dataclass
 
+from openai_adapter.logprobs import token_of, trimmed, unscored
 from openai_adapter.protocol import GenerationRequest
 
 
@@ -14,11 +15,11 @@ from openai_adapter.protocol import GenerationRequest
 class Echo:
     text: str
     logprobs: list[dict]
-    """Engine-format entries of the prompt's tokens (the first with null logprob and top: nothing predicts
-    it); empty when the client asked for no logprobs."""
+    """Engine entries of the prompt's tokens (the first with null logprob and rank: nothing predicts it);
+    empty when the client asked for no logprobs."""
 
 
-def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
+def echo_prompt_logprobs(request: GenerationRequest) -> int | None:
     """The `prompt_logprobs` the engine must return for the request's echo; None when echo needs none."""
     if not request.echo:
         return None
@@ -27,20 +28,20 @@ def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
     return 0 if request.has_token_id_prompts() else None
 
 
-def echo_from_prompt_logprobs(prompt: str | list[int], prompt_logprobs: list[dict | None], with_logprobs: bool) -> Echo:
-    """The echo of a prompt built from the engine's prompt logprobs (one entry per prompt token)."""
+def echo_from_prompt_logprobs(prompt: str | list[int], prompt_logprobs: list[dict], logprobs: int | None) -> Echo:
+    """The echo of a prompt built from the engine's prompt logprobs (one entry per prompt token), with the
+    request's `logprobs` alternatives per token (None: no logprobs)."""
     first, later = prompt_logprobs[0], prompt_logprobs[1:]
-    later_text = "".join(entry["token"] for entry in later)
+    later_text = "".join(token_of(entry)["decoded_token"] for entry in later)
     if isinstance(prompt, str):
         text = prompt
-        # The engine's first entry is null (nothing predicts the first token), so its text is what the other
-        # tokens leave of the prompt; "" when their texts do not end the prompt (e.g. a split UTF-8 character).
+        # Nothing predicts the first token, so its text is what the other tokens leave of the prompt; "" when
+        # their texts do not end the prompt (e.g. a split UTF-8 character).
         first_text = prompt.removesuffix(later_text) if prompt.endswith(later_text) else ""
     else:
-        # A token-id prompt has no text to take the first token's from: only an engine first entry that carries
-        # the token's text can give it (a null one leaves it out of the echo).
-        first_text = (first or {}).get("token", "")
+        # A token-id prompt has no text to take the first token's from but the engine's first entry.
+        first_text = token_of(first)["decoded_token"]
         text = first_text + later_text
-    if not with_logprobs:
+    if logprobs is None:
         return Echo(text, [])
-    return Echo(text, [{"token": first_text, "logprob": None, "top": None}, *later])
+    return Echo(text, [unscored(next(iter(first)), first_text), *(trimmed(entry, logprobs) for entry in later)])

@@ -1,10 +1,45 @@
-"""OpenAI's legacy logprobs object, built from the engine's per-token entries, and its chat-shaped twin.
+"""OpenAI's legacy logprobs object and its chat twin, built from the engine's per-token entries.
 
-An engine entry is {"token": str, "token_id": int, "logprob": float, "top": {token text: logprob}}; the first
-token of an echoed prompt has null logprob and top (nothing predicts it).
+An engine entry is vllm_backend's: {token id: {"logprob", "rank", "decoded_token"}}, the token itself first, then
+its most likely alternatives (once, when the token is one of them). The first token of an echoed prompt has null
+logprob and rank: nothing predicts it.
 """
 
 from openai_adapter.protocol import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+
+
+def token_of(entry: dict) -> dict:
+    """The entry's own token: {"logprob", "rank", "decoded_token"}."""
+    return next(iter(entry.values()))
+
+
+def unscored(token_id: str, text: str) -> dict:
+    """The entry of a token nothing predicts (an echoed prompt's first)."""
+    return {token_id: {"logprob": None, "rank": None, "decoded_token": text}}
+
+
+def trimmed(entry: dict, num_top: int) -> dict:
+    """The entry with only the token and its num_top most likely alternatives (the engine may have sent more)."""
+    own = next(iter(entry))
+    return {token_id: value for token_id, value in entry.items()
+            if token_id == own or (value["rank"] is not None and value["rank"] <= num_top)}
+
+
+def vllm_prompt_logprobs(entries: list[dict], num_top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a prompt: None for its first token (nothing predicts it), then each token's
+    entry with its num_top most likely alternatives."""
+    return [None, *(trimmed(entry, num_top) for entry in entries[1:])]
+
+
+def _top_logprobs(entry: dict) -> dict[str, float] | None:
+    """OpenAI's top_logprobs of one token: the alternatives and the token itself, most likely first (of two
+    tokens with the same text, the more likely one's logprob)."""
+    if token_of(entry)["logprob"] is None:
+        return None
+    top: dict[str, float] = {}
+    for value in sorted(entry.values(), key=lambda value: value["rank"]):
+        top.setdefault(value["decoded_token"], value["logprob"])
+    return top
 
 
 def completion_logprobs(entries: list[dict], start_offset: int) -> tuple[CompletionLogprobs, int]:
@@ -13,11 +48,12 @@ def completion_logprobs(entries: list[dict], start_offset: int) -> tuple[Complet
     logprobs = CompletionLogprobs()
     offset = start_offset
     for entry in entries:
-        logprobs.tokens.append(entry["token"])
-        logprobs.token_logprobs.append(entry["logprob"])
-        logprobs.top_logprobs.append(entry["top"])
+        token = token_of(entry)
+        logprobs.tokens.append(token["decoded_token"])
+        logprobs.token_logprobs.append(token["logprob"])
+        logprobs.top_logprobs.append(_top_logprobs(entry))
         logprobs.text_offset.append(offset)
-        offset += len(entry["token"])
+        offset += len(token["decoded_token"])
     return logprobs, offset
 
 
@@ -41,8 +77,9 @@ class LogprobsAccumulator:
         return piece
 
 
-def chat_logprobs(legacy: CompletionLogprobs) -> ChatLogprobs:
-    """The chat API's shape of generated tokens' logprobs (which, unlike an echoed prompt's, are never null)."""
+def chat_logprobs(legacy: CompletionLogprobs, num_top: int) -> ChatLogprobs:
+    """The chat API's shape of generated tokens' logprobs (which, unlike an echoed prompt's, are never null):
+    each token's top_logprobs are its num_top most likely alternatives, whether or not it is one of them."""
     return ChatLogprobs(
         content=[
             ChatTokenLogprob(
@@ -51,7 +88,7 @@ def chat_logprobs(legacy: CompletionLogprobs) -> ChatLogprobs:
                 bytes=list(token.encode()),
                 top_logprobs=[
                     ChatTopLogprob(token=text, logprob=value, bytes=list(text.encode()))
-                    for text, value in (top or {}).items()
+                    for text, value in list((top or {}).items())[:num_top]
                 ],
             )
             for token, logprob, top in zip(legacy.tokens, legacy.token_logprobs, legacy.top_logprobs)

@@ -19,7 +19,7 @@ from pydantic import (
 )
 
 from backend.interface.parameters import MAX_TOKEN_ID, PARAMETERS, SamplingParams
-from backend.interface.tensors import CHAT_ROLES
+from backend.interface.tensors import CHAT_ROLES, message_text
 from openai_adapter.errors import from_validation_error, invalid_request
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -43,7 +43,30 @@ Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 """One text, a batch of texts, one tokenized prompt, or a batch of tokenized prompts."""
 
 
-class StreamOptions(BaseModel):
+class NullMeansDefault(BaseModel):
+    """OpenAI's API treats an explicit null as "use the default"; clients such as LangChain send them. Only the
+    fields named in NULL_IS_A_VALUE, and those whose default is null, keep a null."""
+
+    NULL_IS_A_VALUE: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            name: value
+            for name, value in data.items()
+            if value is not None or name in cls.NULL_IS_A_VALUE or cls._default_of(name) is None
+        }
+
+    @classmethod
+    def _default_of(cls, name: str) -> Any:
+        field = cls.model_fields.get(name)
+        return None if field is None else field.default
+
+
+class StreamOptions(NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -57,10 +80,23 @@ class NotYetSupportedParameters(BaseModel):
 
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False  # vLLM's beam search, and its parameter
+    length_penalty: float = 1.0
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer spelling of the guided_* constraints
+    guided_whitespace_pattern: str | None = None
+    logits_processors: list[Any] | None = None
+    custom_logit_processor: str | None = None  # SGLang's
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    priority: int = 0  # vLLM and SGLang refuse other priorities without priority scheduling too
+
+
+class NotYetSupportedCompletionParameters(BaseModel):
+    """Completion-only ones, like NotYetSupportedParameters."""
+
+    add_special_tokens: bool = True  # text prompts are tokenized with the tokenizer's special tokens (BOS)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -73,15 +109,34 @@ class JsonSchemaFormat(BaseModel):
     """Accepted for compatibility: the schema is always enforced."""
 
 
+class StructuralTagStructure(BaseModel):
+    """One structure of SGLang's `structural_tag` response format."""
+
+    begin: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    end: str
+
+
 class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # SGLang's structural_tag: the engine checks them (and refuses xgrammar's `format` and `at_least_one`)
+    structures: list[StructuralTagStructure] | None = None
+    triggers: list[str] | None = None
+    at_least_one: bool | None = None
+    format: Any = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object with a schema")
+        if self.type == "structural_tag" and self.format is None and (self.structures is None or self.triggers is None):
+            raise ValueError("type 'structural_tag' needs structures and triggers")
         return self
+
+    def structural_tag(self) -> dict[str, Any]:
+        """The engine's structural_tag (SGLang's sampling parameter: the response format itself)."""
+        return self.model_dump(by_alias=True, exclude_none=True, exclude={"json_schema"})
 
 
 @dataclass(frozen=True)
@@ -90,7 +145,7 @@ class Constraint:
 
     param: str
     engine_field: str
-    """The engine's sampling parameter: json_schema, regex or ebnf (a Lark or GBNF grammar)."""
+    """The engine's sampling parameter: json_schema, regex, ebnf (a Lark or GBNF grammar) or structural_tag."""
     text: str
 
 
@@ -128,6 +183,8 @@ class StructuredOutputParameters(BaseModel):
             add("response_format", "json_schema", {"type": "object"})
         if response_format is not None and response_format.type == "json_schema":
             add("response_format", "json_schema", response_format.json_schema.schema_)
+        if response_format is not None and response_format.type == "structural_tag":
+            add("response_format", "structural_tag", response_format.structural_tag())
         add("json_schema", "json_schema", self.json_schema)
         add("regex", "regex", self.regex)
         add("ebnf", "ebnf", self.ebnf)
@@ -139,10 +196,12 @@ class StructuredOutputParameters(BaseModel):
         return found
 
 
-class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
+class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, NullMeansDefault):
     """What completion and chat requests share: the model, sampling, stops and streaming.
 
     Unknown fields are ignored (SDKs send extra_body fields as they are)."""
+
+    NULL_IS_A_VALUE: ClassVar[tuple[str, ...]] = ("max_tokens",)  # null max_tokens: up to the context's end
 
     model: str
     max_tokens: int | None = engine_field("max_tokens")
@@ -175,29 +234,16 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
     lora_path: str | list[str | None] | None = None
     """SGLang extension: the LoRA adapter (its name or a path inside the server's adapters directory), or one
     per prompt (null: the base model). `model: "<served model>:<adapter>"` says the same."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM extension: only these tokens may be generated."""
+    cache_salt: str | None = None
+    """vLLM and SGLang extension: requests share cached prompt prefixes only with requests of the same salt."""
     return_hidden_states: bool = False
     """SGLang extension: each choice gets `hidden_states`, the final hidden state (after the last norm) of each
     generated token, and of each prompt token first with echo."""
     return_routed_experts: bool = False
     """SGLang extension for mixture-of-experts models: the response's `sglext.routed_experts` lists, per choice,
     the experts each generated token was routed to in every MoE layer; the engine refuses it for dense models."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI's API treats an explicit null as "use the default"; clients such as LangChain send them."""
-        if not isinstance(data, dict):
-            return data
-        return {
-            name: value
-            for name, value in data.items()
-            if value is not None or name == "max_tokens" or cls._default_of(name) is None
-        }
-
-    @classmethod
-    def _default_of(cls, name: str) -> Any:
-        field = cls.model_fields.get(name)
-        return None if field is None else field.default
 
     def api_name(self, engine_field: str | None) -> str | None:
         """This request's name for an engine sampling parameter."""
@@ -221,7 +267,7 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters):
         return None
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, NotYetSupportedCompletionParameters):
     """Body of POST /v1/completions."""
 
     prompt: Prompt
@@ -229,6 +275,8 @@ class CompletionRequest(SamplingRequest):
     """Only empty: the served model has no fill-in-the-middle support (checked by the service)."""
     echo: bool = False
     logprobs: int | None = engine_field("logprobs")
+    prompt_logprobs: int | None = engine_field("prompt_logprobs")
+    """vLLM extension: each choice's `prompt_logprobs`, with this many alternatives per prompt token."""
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -259,6 +307,9 @@ class CompletionRequest(SamplingRequest):
         """The engine's `logprobs` (top candidates per token); None: no logprobs."""
         return self.logprobs
 
+    def unsupported_parameter(self) -> str | None:
+        return super().unsupported_parameter() or self._first_non_neutral(NotYetSupportedCompletionParameters)
+
 
 ChatRole = Literal[CHAT_ROLES]
 """The roles the engine accepts in its `messages` input."""
@@ -266,7 +317,13 @@ ChatRole = Literal[CHAT_ROLES]
 
 class ChatMessage(BaseModel):
     role: ChatRole
-    content: str
+    content: str | list[dict[str, Any]]
+    """A string, or OpenAI's list of content parts: their texts are concatenated (other part types are 400)."""
+
+    @field_validator("content")
+    @classmethod
+    def _text_of_parts(cls, content: str | list[dict[str, Any]]) -> str:
+        return message_text(content)
 
 
 class NotYetSupportedChatParameters(BaseModel):
@@ -274,6 +331,15 @@ class NotYetSupportedChatParameters(BaseModel):
 
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated spelling of tools
+    function_call: str | dict[str, Any] | None = None
+    # vLLM's chat template controls: the engine always renders the model's own template, ready for an answer
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None  # vLLM's; the completions API has it
 
 
 class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
@@ -299,7 +365,7 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
             where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"])
             raise ValueError(
                 f"messages{where}: {first['msg']} (messages must be a list of objects with a role in "
-                f"{', '.join(CHAT_ROLES)} and a string content)"
+                f"{', '.join(CHAT_ROLES)} and a string content or a list of text content parts)"
             ) from None
         if not messages:
             raise ValueError("messages must not be empty")
@@ -381,13 +447,25 @@ class _WithHiddenStates(BaseModel):
         return data
 
 
+class Logprob(BaseModel):
+    """vLLM's logprob of one token."""
+
+    logprob: float | None
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(_WithHiddenStates):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, Logprob] | None] | None = None
+    """vLLM extension: per prompt token (null for the first, which nothing predicts) token id → its logprob, the
+    token first, then the `prompt_logprobs` most likely alternatives; null when not asked for (and left out of
+    stream chunks, which carry none)."""
     finish_reason: str | None = None
     matched_stop: str | int | None = None
-    """SGLang extension: the stop string (or text a stop_regex matched) or the stop token id (EOS included)
+    """SGLang extension: the stop string (or the stop_regex pattern that matched) or the stop token id (EOS included)
     that ended the choice; null while it runs or when it ended otherwise (e.g. by length)."""
     routed_experts: list[list[list[int]]] | None = Field(None, exclude=True)
     """The choice's [MoE layers][top_k] expert ids per token, when requested: the response carries them in
@@ -489,16 +567,16 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     """Only in a choice's first chunk."""
     content: str
+    hidden_states: list[list[float]] | None = None
+    """SGLang extension: the choice's hidden states, in a chunk of their own after its text."""
 
     @model_serializer(mode="wrap")
-    def _omit_absent_role(self, handler) -> dict:
-        data = handler(self)
-        if data.get("role") is None:
-            data.pop("role", None)
-        return data
+    def _omit_absent_fields(self, handler) -> dict:
+        return {name: value for name, value in handler(self).items()
+                if value is not None or name not in ("role", "hidden_states")}
 
 
-class ChatChunkChoice(_WithHiddenStates):
+class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
@@ -518,6 +596,9 @@ class ModelCard(BaseModel):
     owned_by: str = "tritonllm"
     parent: str | None = None
     """A LoRA adapter's base model (vLLM's field); absent for the base model."""
+    max_model_len: int | None = None
+    """Most tokens (prompt + output) a request may hold, as vLLM and SGLang report it; absent when the engine's
+    metrics cannot be read."""
     loaded: bool | None = None
     """Whether the adapter holds a slot in the engine now (else it loads on first use); absent when unknown."""
 

@@ -20,8 +20,9 @@ def data_event(data: str) -> str:
 
 
 def chunk_event(chunk: Chunk) -> str:
-    # Like OpenAI, chunks that carry no usage leave the field out.
-    return data_event(chunk.model_dump_json(exclude={"usage"} if chunk.usage is None else None))
+    # Like OpenAI, chunks that carry no usage leave the field out; like vLLM, chunks have no prompt_logprobs.
+    exclude = {"choices": {"__all__": {"prompt_logprobs"}}, **({"usage": True} if chunk.usage is None else {})}
+    return data_event(chunk.model_dump_json(exclude=exclude))
 
 
 def error_event(error: AdapterError) -> str:

@@ -19,6 +19,7 @@ from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
 
 from backend.interface.errors import decode
+from backend.interface.tensors import RUNNING
 from openai_adapter.errors import AdapterError, from_kind, gateway_timeout, internal_error, service_unavailable
 from openai_adapter.settings import AdapterSettings
 
@@ -53,11 +54,11 @@ class ChoiceOutput:
     finish_reason: str | None
     """None while the choice is still running."""
     logprobs: list[dict]
-    """Engine entries of the new tokens; empty unless logprobs were requested."""
+    """Engine entries of the new tokens (see logprobs.py); empty unless logprobs were requested."""
     num_output_tokens: int | None
-    """Tokens generated so far."""
+    """Tokens this response carries (all of them when not streaming)."""
     matched_stop: str | int | None
-    """The stop string (or stop_regex match) or stop token id that finished the choice; None until then."""
+    """The stop string (or stop_regex pattern) or stop token id that finished the choice; None until then."""
     hidden_states: list[list[float]] = field(default_factory=list)
     """Final hidden states of the new tokens; empty unless return_hidden_states was requested."""
     routed_experts: list[list[list[int]]] = field(default_factory=list)
@@ -71,8 +72,9 @@ class TritonChunk:
     choices: list[ChoiceOutput]
     num_input_tokens: int | None
     num_cached_tokens: int | None
-    prompt_logprobs: list[dict | None] | None
-    """Engine entries of every prompt token (the first None), in one response only, when requested."""
+    prompt_logprobs: list[dict] | None
+    """Engine entries of every prompt token (the first with null logprob and rank), in one response only, when
+    requested."""
     prompt_hidden_states: list[list[float]] | None = None
     """Final hidden states of every prompt token, in one response only, when requested (echo)."""
 
@@ -178,8 +180,8 @@ def _bytes_array(text: str) -> np.ndarray:
 def _parse_response(result: InferResult) -> TritonChunk:
     texts = _strings(result, "text_output")
     count = len(texts)
-    finish_reasons = _strings(result, "finish_reason") or [""] * count
-    logprobs = [json.loads(entries) for entries in _strings(result, "logprobs")] or [[]] * count
+    finish_reasons = _strings(result, "finish_reason") or [RUNNING] * count
+    logprobs = [json.loads(entries) or [] for entries in _strings(result, "logprobs")] or [[]] * count
     num_output_tokens = _ints(result, "num_output_tokens") or [None] * count
     matched_stops = [json.loads(value) for value in _strings(result, "matched_stop")] or [None] * count
     num_input_tokens = _ints(result, "num_input_tokens")
@@ -190,7 +192,8 @@ def _parse_response(result: InferResult) -> TritonChunk:
     routed_experts = [json.loads(rows) for rows in _strings(result, "routed_experts")] or [[]] * count
     return TritonChunk(
         choices=[
-            ChoiceOutput(text, finish_reason or None, entries, tokens, matched_stop, hidden, routed)
+            ChoiceOutput(text, None if finish_reason == RUNNING else finish_reason, entries, tokens, matched_stop,
+                         hidden, routed)
             for text, finish_reason, entries, tokens, matched_stop, hidden, routed in zip(
                 texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states, routed_experts
             )

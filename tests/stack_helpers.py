@@ -175,7 +175,7 @@ def wait_until_idle(stack, timeout: float = 20.0) -> None:
         time.sleep(0.25)
 
 
-def _grpc_inputs(prompt: str, params: dict | str, stream: bool) -> list:
+def _grpc_inputs(prompt: str, params: dict | str, stream: bool, flags: dict[str, bool]) -> list:
     def tensor(name, array, dtype):
         t = grpcclient.InferInput(name, list(array.shape), dtype)
         t.set_data_from_numpy(array)
@@ -184,17 +184,20 @@ def _grpc_inputs(prompt: str, params: dict | str, stream: bool) -> list:
     inputs = [tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
               tensor("stream", np.array([stream]), "BOOL"),
               tensor("sampling_parameters", np.array([raw.encode()], dtype=np.object_), "BYTES")]
-    for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
-        inputs.append(tensor(flag, np.array([True]), "BOOL"))
+    flags = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
+             **flags}
+    inputs += [tensor(flag, np.array([value]), "BOOL") for flag, value in flags.items()]
     return inputs
 
 
-def grpc_generate(stack, prompt: str, params: dict | str, stream: bool) -> tuple[list, Exception | None]:
-    """One request on its own gRPC stream: (responses carrying outputs, error or None)."""
+def grpc_generate(stack, prompt: str, params: dict | str, stream: bool, **flags: bool
+                  ) -> tuple[list, Exception | None]:
+    """One request on its own gRPC stream: (responses carrying outputs, error or None). `flags` are more BOOL
+    inputs (e.g. return_logprobs=True, exclude_input_in_output=False)."""
     client = grpcclient.InferenceServerClient(stack.grpc_url)
     events: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer("llm", _grpc_inputs(prompt, params, stream), enable_empty_final_response=True)
+    client.async_stream_infer("llm", _grpc_inputs(prompt, params, stream, flags), enable_empty_final_response=True)
     responses, error = [], None
     try:
         while True:

@@ -34,8 +34,12 @@ def _chunk(*choices: tuple, prompt_tokens: int = 2, prompt_logprobs: list | None
     )
 
 
-def _entry(token: str, logprob: float, token_id: int = 0) -> dict:
-    return {"token": token, "token_id": token_id, "logprob": logprob, "top": {token: logprob}}
+def _entry(token: str, logprob: float | None, token_id: int = 0, rank: int | None = 1, **top: tuple) -> dict:
+    """An engine logprobs entry (vllm_backend's): the token, then alternatives given as id=(text, logprob)."""
+    entry = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": token}}
+    for position, (alternative, (text, value)) in enumerate(top.items(), start=1):
+        entry.setdefault(alternative.removeprefix("t"), {"logprob": value, "rank": position, "decoded_token": text})
+    return entry
 
 
 class ScriptedTriton:
@@ -115,6 +119,9 @@ def test_sampling_parameters_send_new_parameters_only_when_not_neutral():
         ({"echo": True, "prompt": [1, 2]}, 0),  # a token-id prompt's text comes from the prompt logprobs
         ({"echo": True, "prompt": [[1, 2], [3]], "logprobs": 2}, 2),
         ({"prompt": [1, 2]}, None),
+        ({"prompt_logprobs": 2}, 2),  # vLLM's extension
+        ({"echo": True, "logprobs": 1, "prompt_logprobs": 3}, 3),  # the larger serves both
+        ({"echo": True, "logprobs": 4, "prompt_logprobs": 0}, 4),
     ],
 )
 def test_prompt_logprobs_are_requested_for_echo_only_when_needed(fields, prompt_logprobs):
@@ -122,10 +129,7 @@ def test_prompt_logprobs_are_requested_for_echo_only_when_needed(fields, prompt_
 
 
 def test_logprobs_offsets_run_across_pieces():
-    entries = [
-        {"token": "Hel", "token_id": 1, "logprob": -0.1, "top": {"Hel": -0.1, "He": -2.0}},
-        {"token": "lo", "token_id": 2, "logprob": -0.2, "top": {"lo": -0.2}},
-    ]
+    entries = [_entry("Hel", -0.1, 1, t1=("Hel", -0.1), t5=("He", -2.0)), _entry("lo", -0.2, 2)]
     logprobs, end = completion_logprobs(entries, start_offset=3)
     assert logprobs.tokens == ["Hel", "lo"]
     assert logprobs.token_logprobs == [-0.1, -0.2]
@@ -165,7 +169,7 @@ async def test_batch_with_n_is_prompt_major_and_sums_usage():
 
 
 async def test_non_streamed_echo_and_logprobs_accumulate():
-    entry = {"token": " x", "token_id": 9, "logprob": -1.0, "top": {" x": -1.0}}
+    entry = _entry(" x", -1.0, 9)
     triton = ScriptedTriton({"Hi": [_chunk((" x x", "length", 2, [entry, entry]))]})
     service = CompletionService(triton, MODEL)
     echoed = await service.complete(_request(echo=True))
@@ -196,17 +200,15 @@ async def test_streamed_matched_stop_comes_with_the_finish_reason():
     )
     chunks = await _collect(CompletionService(triton, MODEL).stream(_request(n=2, stream=True)))
     assert [[(c.index, c.finish_reason, c.matched_stop) for c in chunk.choices] for chunk in chunks] == [
-        [(0, None, None), (1, None, None)],
-        [(0, "stop", "."), (1, None, None)],
-        [(1, "stop", 0)],
+        [(0, None, None)], [(1, None, None)], [(0, "stop", ".")], [(1, None, None)], [(1, "stop", 0)],
     ]
-    payload = json.loads(chunk_event(chunks[1])[len("data: ") :])
+    payload = json.loads(chunk_event(chunks[2])[len("data: ") :])
     assert [set(choice) for choice in payload["choices"]] == [
         {"index", "text", "logprobs", "finish_reason", "matched_stop"}
-    ] * 2
+    ]
 
 
-_PROMPT_LOGPROBS = [None, _entry(" there", -2.5, 11), _entry("!", -0.5, 12)]
+_PROMPT_LOGPROBS = [_entry("Hi", None, 10, rank=None), _entry(" there", -2.5, 11), _entry("!", -0.5, 12)]
 """The engine's prompt logprobs for "Hi there!" tokenized as "Hi", " there", "!"."""
 
 
@@ -238,22 +240,21 @@ async def test_streamed_echo_with_logprobs_goes_in_each_choice_first_chunk():
     )
     request = _request(prompt="Hi there!", n=2, echo=True, logprobs=0, stream=True)
     chunks = await _collect(CompletionService(triton, MODEL).stream(request))
-    first = chunks[0].choices
+    first = [choice for chunk in chunks[:2] for choice in chunk.choices]  # one choice per chunk
     assert [(c.index, c.text) for c in first] == [(0, "Hi there! A"), (1, "Hi there!")]
     assert first[0].logprobs.tokens == ["Hi", " there", "!", " A"]
     assert first[0].logprobs.text_offset == [0, 2, 8, 9]
     assert first[1].logprobs.token_logprobs == [None, -2.5, -0.5]
-    [finished_0, finished_1] = chunks[1].choices
+    [[finished_0], [finished_1]] = [chunk.choices for chunk in chunks[2:]]
     assert (finished_0.text, finished_0.logprobs.tokens) == ("", [])
     assert (finished_1.text, finished_1.logprobs.tokens, finished_1.logprobs.text_offset) == (" C", [" C"], [9])
 
 
 async def test_echo_of_token_ids_is_the_text_of_their_prompt_logprobs():
-    prompt_logprobs = [{"token": "Hi", "token_id": 10, "logprob": None, "top": None}, *_PROMPT_LOGPROBS[1:]]
     triton = ScriptedTriton(
         {
-            "[10, 11, 12]": [_chunk((" A", "length", 1), prompt_logprobs=prompt_logprobs)],
-            "[10, 11]": [_chunk((" B", "length", 1), prompt_logprobs=prompt_logprobs[:2])],
+            "[10, 11, 12]": [_chunk((" A", "length", 1), prompt_logprobs=_PROMPT_LOGPROBS)],
+            "[10, 11]": [_chunk((" B", "length", 1), prompt_logprobs=_PROMPT_LOGPROBS[:2])],
         }
     )
     response = await CompletionService(triton, MODEL).complete(_request(prompt=[[10, 11, 12], [10, 11]], echo=True))
@@ -281,7 +282,7 @@ def test_triton_response_parsing_reads_matched_stop_and_prompt_logprobs():
         Result(
             {
                 "text_output": [b" a", b" b", b""],
-                "finish_reason": [b"stop", b"stop", b""],
+                "finish_reason": [b"stop", b"stop", b"None"],
                 "matched_stop": [b'"\\n"', b"2", b"null"],
                 "prompt_logprobs": [json.dumps(_PROMPT_LOGPROBS).encode()],
             }
@@ -305,20 +306,17 @@ async def test_stream_gives_each_choice_one_finish_chunk_and_usage_last():
     triton = ScriptedTriton(
         {
             "Hi": [
-                _chunk((" a", None, 1), (" b", None, 1)),
-                _chunk(("", "stop", 1), (" c", None, 2)),
-                # A finished choice keeps appearing (here even repeating its reason) while its sibling runs.
-                _chunk(("", "stop", 1), ("", "length", 2)),
+                _chunk((" a", None, 1), (" b", None, 1)),  # (each response counts its own tokens)
+                _chunk(("", "stop", 0), (" c", None, 1)),
+                # A finished choice keeps appearing with its reason while its sibling runs.
+                _chunk(("", "stop", 0), ("", "length", 0)),
             ]
         }
     )
     request = _request(n=2, stream=True, echo=True, stream_options={"include_usage": True})
     chunks = await _collect(CompletionService(triton, MODEL).stream(request))
     assert [[(c.index, c.text, c.finish_reason) for c in chunk.choices] for chunk in chunks] == [
-        [(0, "Hi a", None), (1, "Hi b", None)],
-        [(0, "", "stop"), (1, " c", None)],
-        [(1, "", "length")],
-        [],
+        [(0, "Hi a", None)], [(1, "Hi b", None)], [(0, "", "stop")], [(1, " c", None)], [(1, "", "length")], [],
     ]
     assert all(chunk.usage is None for chunk in chunks[:-1])
     assert chunks[-1].usage.completion_tokens == 3
@@ -326,7 +324,7 @@ async def test_stream_gives_each_choice_one_finish_chunk_and_usage_last():
 
 
 async def test_continuous_usage_stats_put_usage_in_every_chunk():
-    triton = ScriptedTriton({"Hi": [_chunk((" a", None, 1)), _chunk((" b", "length", 2))]})
+    triton = ScriptedTriton({"Hi": [_chunk((" a", None, 1)), _chunk((" b", "length", 1))]})
     request = _request(stream=True, stream_options={"continuous_usage_stats": True})
     chunks = await _collect(CompletionService(triton, MODEL).stream(request))
     assert [chunk.usage.completion_tokens for chunk in chunks] == [1, 2]
@@ -415,8 +413,10 @@ async def test_routed_experts_go_in_sglext_per_choice_index_and_only_when_asked(
     chunks = await _collect(service.stream(_request(n=2, stream=True, return_routed_experts=True,
                                                     stream_options={"include_usage": True})))
     assert [json.loads(chunk.model_dump_json()).get("sglext") for chunk in chunks] == [
-        {"routed_experts": [[a0], [b0]]},
-        {"routed_experts": [[a1], []]},  # choice 1 ends without a new token
+        {"routed_experts": [[a0], []]},  # one choice per chunk; a choice it does not carry: none
+        {"routed_experts": [[], [b0]]},
+        {"routed_experts": [[a1], []]},
+        {"routed_experts": [[], []]},  # choice 1 ends without a new token
         None,  # the usage chunk has no choices
     ]
     plain = await CompletionService(ScriptedTriton({"Hi": responses}), MODEL).complete(_request(n=2))

@@ -125,7 +125,6 @@ def test_best_of_below_n_or_streamed_above_n_is_400(client, fields):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("prompt_logprobs", 1),
         ("include_stop_str_in_output", True),
     ],
 )
@@ -247,3 +246,10 @@ def test_models_lists_the_served_model(client):
     body = response.json()
     assert body["object"] == "list"
     assert body["data"] == [{"id": MODEL, "object": "model", "created": body["data"][0]["created"], "owned_by": "tritonllm"}]
+
+
+def test_one_model_is_retrieved_by_id_and_others_are_404(client):
+    listed = client.get("/v1/models").json()["data"][0]
+    assert client.get(f"/v1/models/{MODEL}").json() == listed
+    error = _error(client.get("/v1/models/gpt-4"), 404)
+    assert (error["code"], error["param"]) == ("model_not_found", "model")

@@ -229,7 +229,7 @@ def test_stop_regex_no_stop_trim_and_matched_stop(engine):
     text = free.text()
     [regex] = generate(engine, [prompt], SamplingParams(max_tokens=32, temperature=0.0, stop_regex=[r"\b7\b"]))
     assert regex.text() == text[:text.index("7")] and regex.finish_reason() == "stop"
-    assert regex.outputs[-1].choices[-1].matched_stop == "7"
+    assert regex.outputs[-1].choices[-1].matched_stop == r"\b7\b"  # the pattern, as SGLang
     [kept] = generate(engine, [prompt], SamplingParams(max_tokens=32, temperature=0.0, stop=[" 7,"], no_stop_trim=True))
     assert kept.text() == text[:text.index(" 7,") + 3]
     assert kept.outputs[-1].choices[-1].matched_stop == " 7,"

@@ -113,6 +113,7 @@ def _check_prompt_logprobs(logprobs, prompt_ids: list[int], ref: Reference, top:
         assert logprobs.token_logprobs[position] == pytest.approx(row[prompt_ids[position]].item(), abs=TOLERANCE)
         values, ids = row.topk(top)
         expected_top = {ref.text(i): v for i, v in zip(ids.tolist(), values.tolist())}
+        expected_top.setdefault(ref.text(prompt_ids[position]), row[prompt_ids[position]].item())  # OpenAI's rule
         assert logprobs.top_logprobs[position] == pytest.approx(expected_top, abs=TOLERANCE)
 
 
@@ -225,8 +226,9 @@ def test_penalties_change_greedy_output_as_transformers_with_the_same_rule(compl
                      id="stop-token-no-trim"),
         pytest.param(SHORT_ANSWER, {}, "2 + 2 = 4", "stop", 2, id="eos"),
         pytest.param(COUNTING, {}, " 5, 6, 7, 8, 9", "length", None, id="length"),
-        pytest.param(COUNTING, {"stop_regex": r"[7-9]"}, " 5, 6, ", "stop", "7", id="stop-regex-in-a-token"),
-        pytest.param(COUNTING, {"stop_regex": [r"x+", r"7, \d"]}, " 5, 6, ", "stop", "7, 8",
+        # a stop_regex's matched_stop is its pattern, as in SGLang (whose parameter it is)
+        pytest.param(COUNTING, {"stop_regex": r"[7-9]"}, " 5, 6, ", "stop", "[7-9]", id="stop-regex-in-a-token"),
+        pytest.param(COUNTING, {"stop_regex": [r"x+", r"7, \d"]}, " 5, 6, ", "stop", r"7, \d",
                      id="stop-regex-spanning-tokens"),
     ],
 )

@@ -16,7 +16,7 @@ from backend.interface.parameters import PARAMETERS
 from backend.triton_io import parse_request
 from openai_adapter.completions import check_parameters
 from openai_adapter.errors import AdapterError
-from openai_adapter.lora import available_adapters as adapter_listing
+from openai_adapter.models import available_adapters as adapter_listing
 from openai_adapter.protocol import ChatCompletionRequest, CompletionRequest
 from openai_adapter.triton_client import _error_from_message
 
@@ -43,13 +43,10 @@ def _adapter(body: dict, request_type=CompletionRequest) -> tuple[str | None, st
         return error.message, error.param
 
 
-_NOT_IN_THE_OPENAI_API = {"prompt_logprobs"}  # the adapter derives it from echo + logprobs
-
-
 def _boundary_cases() -> list:
     cases = []
-    for parameter in PARAMETERS.values():
-        if parameter.kind not in ("int", "float") or parameter.name in _NOT_IN_THE_OPENAI_API:
+    for parameter in PARAMETERS.values():  # (each one the OpenAI API can send)
+        if parameter.kind not in ("int", "float"):
             continue
         step = 1 if parameter.kind == "int" else 1e-3
         inside, outside = [], []

@@ -3,7 +3,9 @@
 import torch
 
 from backend.engine.sampler import sample_from
+from backend.engine.structured_output import allowed_tokens_bitmask
 from kernels import filter_probs
+from kernels.sampling import apply_token_bitmask_reference
 
 
 def test_filters_keep_what_each_rule_allows():
@@ -41,3 +43,10 @@ def test_inverse_cdf_draws_follow_the_distribution():
     counts = torch.bincount(draws, minlength=5).float() / draws.numel()
     assert counts[0] == 0 and counts[2] == 0
     assert torch.allclose(counts, probs[0], atol=0.02)
+
+
+def test_allowed_tokens_bitmask_sets_exactly_their_bits():
+    allowed = [0, 31, 32, 63, 70]
+    logits = torch.zeros(1, 71)
+    apply_token_bitmask_reference(logits, allowed_tokens_bitmask(allowed, 71).unsqueeze(0))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == allowed

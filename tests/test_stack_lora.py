@@ -63,9 +63,12 @@ def test_models_lists_adapters_and_which_is_loaded(client, stack):
             break
         time.sleep(0.25)
     assert list(cards) == [stack.model_name, f"{stack.model_name}:alpha", f"{stack.model_name}:beta"]
-    assert cards[f"{stack.model_name}:beta"] == {"parent": stack.model_name, "loaded": True}
-    assert cards[f"{stack.model_name}:alpha"] == {"parent": stack.model_name, "loaded": False}
-    assert cards[stack.model_name] == {}
+    max_model_len = cards[stack.model_name]["max_model_len"]
+    assert cards[f"{stack.model_name}:beta"] == {"parent": stack.model_name, "loaded": True,
+                                                "max_model_len": max_model_len}
+    assert cards[f"{stack.model_name}:alpha"] == {"parent": stack.model_name, "loaded": False,
+                                                 "max_model_len": max_model_len}
+    assert cards[stack.model_name] == {"max_model_len": max_model_len}
 
 
 def test_hidden_states_match_transformers_after_the_final_norm(client, stack, default_model_dir):
@@ -87,13 +90,8 @@ def test_hidden_states_match_transformers_after_the_final_norm(client, stack, de
     torch.testing.assert_close(rows[prompt_tokens:], expected[prompt_tokens - 1:-1], atol=1e-3, rtol=1e-3)
 
 
-def test_hidden_states_stream_per_chunk_and_in_chat(client, stack):
-    stream = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=5, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"return_hidden_states": True, "ignore_eos": True})
-    chunks = list(stream)
-    rows = [row for chunk in chunks for choice in chunk.choices for row in choice.model_extra["hidden_states"]]
-    assert len(rows) == chunks[-1].usage.completion_tokens == 5 and all(len(row) == 576 for row in rows)
+def test_hidden_states_in_chat_and_only_when_asked(client, stack):
+    # (streamed: tests/test_stack_peer_parity.py)
     chat = client.chat.completions.create(model=stack.model_name, max_completion_tokens=3,
                                           messages=[{"role": "user", "content": "Hi"}],
                                           extra_body={"return_hidden_states": True})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import regex
@@ -181,15 +182,28 @@ def test_aborting_a_request_while_its_grammar_compiles(engine):
 
 
 def test_bitmask_marks_exactly_the_tokens_the_matcher_allows(engine):
-    """The filler's rows agree with llguidance's own per-token answer; unconstrained rows allow everything."""
-    matcher = engine.parts.grammars.compile("regex", r"[0-9]+").result().deep_copy()
-    bitmask = engine.core.sampler.bitmasks.fill([None, matcher])
-    assert bitmask.shape == (2, structured_output.bitmask_words(engine.vocab_size))
-    assert bool((bitmask[0] == -1).all())
-    bits = ((bitmask[1].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:engine.vocab_size]
-    allowed = bits.nonzero().flatten().tolist()
+    """The filler's rows agree with llguidance's own per-token answer; unconstrained rows allow everything; a
+    request's allowed_token_ids narrow its grammar's."""
+    def row(grammar=None, allowed_token_ids=()):  # what fill reads of a sequence
+        allowed = structured_output.allowed_tokens_bitmask(list(allowed_token_ids), engine.vocab_size) \
+            if allowed_token_ids else None
+        return SimpleNamespace(grammar=grammar, request=SimpleNamespace(allowed_tokens=allowed))
+
+    def allowed_of(words: torch.Tensor) -> list[int]:
+        bits = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:engine.vocab_size]
+        return bits.nonzero().flatten().tolist()
+
     tokenizer = engine.tokenizer
+    seven, letter = tokenizer.convert_tokens_to_ids("7"), tokenizer.convert_tokens_to_ids("a")
+    compiled = engine.parts.grammars.compile("regex", r"[0-9]+").result()
+    matcher = compiled.deep_copy()
+    bitmask = engine.core.sampler.bitmasks.fill([row(), row(matcher), row(compiled.deep_copy(), [seven, letter]),
+                                                 row(None, [letter])])
+    assert bitmask.shape == (4, structured_output.bitmask_words(engine.vocab_size))
+    assert bool((bitmask[0] == -1).all())
+    allowed = allowed_of(bitmask[1])
     assert allowed and all(tokenizer.decode([t]).isdigit() for t in allowed)
     assert min(engine.core.eos_token_ids) not in allowed  # nothing matched yet: the grammar does not accept
-    assert tokenizer.convert_tokens_to_ids("7") in allowed
+    assert seven in allowed
+    assert allowed_of(bitmask[2]) == [seven] and allowed_of(bitmask[3]) == [letter]
     assert isinstance(matcher, LLMatcher)

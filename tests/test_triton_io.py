@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from backend.processing.outputs import ChoiceDelta, RequestOutput
+from backend.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
 from backend.interface.errors import InvalidRequest
 from backend.triton_io import ResponseBuilder, parse_request
 
@@ -48,16 +48,47 @@ def test_parse_rejects_bad_input(values, message):
         parse_request(values)
 
 
-def test_streaming_responses_carry_deltas_and_each_finish_once():
+def test_streaming_responses_carry_deltas_and_each_choice_state():
     builder = ResponseBuilder(parse_request(inputs({"n": 2}, stream=True, return_finish_reason=True,
-                                                   return_matched_stop=True)))
+                                                   return_matched_stop=True, return_num_output_tokens=True)))
     first = builder.on_output(RequestOutput("r", [delta(0, "a"), delta(1, "b")], 1, 0, False))
-    second = builder.on_output(RequestOutput("r", [delta(0, "c", "stop", matched=" end")], 1, 0, False))
-    third = builder.on_output(RequestOutput("r", [delta(1, "d", "length")], 1, 0, True))
-    assert first["text_output"].tolist() == [b"a", b"b"] and first["finish_reason"].tolist() == [b"", b""]
-    assert second["finish_reason"].tolist() == [b"stop", b""]
+    second = builder.on_output(RequestOutput("r", [delta(0, "c", "stop", tokens=3, matched=" end")], 1, 0, False))
+    third = builder.on_output(RequestOutput("r", [delta(1, "d", "length", tokens=2)], 1, 0, True))
+    # vllm_backend's conventions: "None" while running, and each response counts its own tokens
+    assert first["text_output"].tolist() == [b"a", b"b"] and first["finish_reason"].tolist() == [b"None", b"None"]
+    assert first["num_output_tokens"].tolist() == [1, 1]
+    assert second["finish_reason"].tolist() == [b"stop", b"None"] and second["num_output_tokens"].tolist() == [2, 0]
     assert second["matched_stop"].tolist() == [b'" end"', b"null"]
-    assert third["text_output"].tolist() == [b"", b"d"] and third["finish_reason"].tolist() == [b"", b"length"]
+    assert third["text_output"].tolist() == [b"", b"d"] and third["finish_reason"].tolist() == [b"stop", b"length"]
+    assert third["num_output_tokens"].tolist() == [0, 1]
+
+
+def test_logprobs_are_vllm_backend_entries_and_null_when_not_asked():
+    sampled = TokenLogprob(7, " x", -2.0, [(3, " a", -0.5), (7, " x", -2.0)], rank=2)
+    outside = TokenLogprob(9, " y", -4.0, [(3, " a", -0.5)], rank=5)
+    builder = ResponseBuilder(parse_request(inputs({"logprobs": 1}, stream=True, return_logprobs=True)))
+    out = builder.on_output(RequestOutput("r", [ChoiceDelta(0, " x y", [sampled, outside], -6.0, 2, None)], 1, 0,
+                                          False))
+    assert json.loads(out["logprobs"][0]) == [
+        {"7": {"logprob": -2.0, "rank": 2, "decoded_token": " x"}, "3": {"logprob": -0.5, "rank": 1, "decoded_token": " a"}},
+        {"9": {"logprob": -4.0, "rank": 5, "decoded_token": " y"}, "3": {"logprob": -0.5, "rank": 1, "decoded_token": " a"}},
+    ]
+    plain = ResponseBuilder(parse_request(inputs({}, return_logprobs=True)))
+    assert plain.on_output(RequestOutput("r", [delta(0, "a", "stop")], 1, 0, True))["logprobs"].tolist() == [b"null"]
+
+
+@pytest.mark.parametrize("flags, refused", [
+    ({"stream": True, "exclude_input_in_output": False}, True),
+    ({"stream": True}, False),
+    ({"stream": True, "exclude_input_in_output": True}, False),
+    ({"exclude_input_in_output": False}, False),
+])
+def test_streaming_the_prompt_is_refused_as_vllm_backend(flags, refused):
+    if refused:
+        with pytest.raises(InvalidRequest, match="exclude_input_in_output false cannot be streamed"):
+            parse_request(inputs({}, **flags))
+    else:
+        parse_request(inputs({}, **flags))
 
 
 def test_non_streaming_response_is_whole_and_best_of_keeps_the_most_likely():
@@ -77,13 +108,17 @@ def _messages_input(value) -> np.ndarray:
 def test_parse_messages_keeps_role_and_content_only():
     parsed = parse_request({"messages": _messages_input([{"role": "user", "content": "hi", "name": "x"}])})
     assert parsed.prompt == [{"role": "user", "content": "hi"}]
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]  # OpenAI's content parts
+    assert parse_request({"messages": _messages_input([{"role": "user", "content": parts}])}).prompt == [
+        {"role": "user", "content": "hi there"}]
 
 
 @pytest.mark.parametrize("values, message", [
     ({"messages": np.array([b"not json"], dtype=np.object_)}, "not valid JSON"),
     ({"messages": _messages_input([])}, "non-empty JSON list"),
     ({"messages": _messages_input([{"role": "wizard", "content": "a"}])}, "messages[0]"),
-    ({"messages": _messages_input([{"role": "user", "content": None}])}, "string content"),
+    ({"messages": _messages_input([{"role": "user", "content": None}])}, "string or a list of content parts"),
+    ({"messages": _messages_input([{"role": "user", "content": [{"type": "image_url"}]}])}, "'image_url' are not"),
     ({**inputs(), "messages": _messages_input([{"role": "user", "content": "a"}])}, "exactly one of"),
 ])
 def test_parse_refuses_bad_messages(values, message):

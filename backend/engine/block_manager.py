@@ -1,7 +1,8 @@
 """The paged KV block pool: allocation, reference counts and the automatic prefix cache.
 
 A full block is keyed by a hash chain (parent block's key + its own tokens), so equal keys mean equal prefixes.
-The chain of a sequence run with a LoRA adapter starts from the adapter's name: adapters never share KV.
+The chain of a sequence run with a LoRA adapter or a cache_salt starts from them: adapters never share KV, and
+requests share prefixes only with requests of the same salt.
 Freed blocks that hold a cached prefix stay findable until they are reused (LRU order)."""
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ class BlockManager:
         return hash((parent_key, tokens))
 
     def _root_key(self, seq: Sequence) -> int | None:
-        """The parent key of a sequence's first block: None for the base model, else its adapter's salt."""
+        """The parent key of a sequence's first block: None for the base model without a salt, else from its
+        adapter and salt."""
         salt = seq.prefix_cache_salt
-        return None if salt is None else hash(("lora", salt))
+        return None if salt is None else hash(("salt", salt))
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)

@@ -48,6 +48,7 @@ class EngineStats:
     free_blocks: int
     total_blocks: int
     prefix_cache_hit_rate: float
+    max_model_len: int  # tokens one request may hold (prompt + output): the capacity of ModelLimits
     prompt_tokens: int  # counters since start
     generated_tokens: int
     preemptions: int
@@ -257,6 +258,7 @@ class EngineCore:
             free_blocks=bm.num_free_blocks,
             total_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            max_model_len=self.limits.capacity,
             prompt_tokens=self.num_prompt_tokens,
             generated_tokens=self.num_generated_tokens,
             preemptions=self.scheduler.num_preemptions,

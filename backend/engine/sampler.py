@@ -15,16 +15,25 @@ from backend.engine.structured_output import BitmaskFiller
 from kernels import apply_logit_bias, apply_penalties, apply_token_bitmask, filter_probs
 
 
-def score(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int]) -> list[SampledToken]:
-    """Each row's logprob of its token under softmax(logits), with the row's num_top most likely alternatives.
-    Only the log-normalizer is computed for the whole vocabulary, not every logprob."""
+def score(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]) -> list[SampledToken]:
+    """Each row's logprob of its token under softmax(logits); a row whose num_top is set (logprobs asked for)
+    also gets the token's rank and its num_top most likely alternatives. Only the log-normalizer is computed
+    for the whole vocabulary, not every logprob."""
     normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(1, tokens.unsqueeze(1)) - normalizer).squeeze(1).tolist()
+    chosen_logits = logits.gather(1, tokens.unsqueeze(1))
+    chosen = (chosen_logits - normalizer).squeeze(1).tolist()
+    ranks = {}
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    if wanted:  # vLLM's rank: 1 + the tokens strictly more likely
+        rows = torch.tensor(wanted, device=logits.device)
+        ranks = dict(zip(wanted, ((logits[rows] > chosen_logits[rows]).sum(dim=-1) + 1).tolist()))
     top_values = top_ids = []
-    if max(num_top, default=0):
-        values, ids = logits.topk(max(num_top), dim=-1)
+    most = max((k or 0 for k in num_top), default=0)
+    if most:
+        values, ids = logits.topk(most, dim=-1)
         top_values, top_ids = (values - normalizer).tolist(), ids.tolist()
-    return [SampledToken(token, chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ())
+    return [SampledToken(token, chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else (),
+                         ranks.get(i))
             for i, (token, k) in enumerate(zip(tokens.tolist(), num_top))]
 
 
@@ -62,7 +71,7 @@ class Sampler:
                 )
             chosen[rows] = sample_from(probs, uniforms)
 
-        return score(raw, chosen, [seq.params.logprobs or 0 for seq in seqs])
+        return score(raw, chosen, [seq.params.logprobs for seq in seqs])
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """min_tokens bans, logit_bias, penalties and grammars; returns logits unchanged (not copied) when none
@@ -71,7 +80,7 @@ class Sampler:
                 if seq.num_output_tokens < seq.params.min_tokens}
         biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
         penalized = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
-        constrained = any(seq.grammar is not None for seq in seqs)
+        constrained = any(seq.has_token_mask for seq in seqs)
         if not (bans or biased or penalized or constrained):
             return logits
         logits = logits.clone()
@@ -87,7 +96,7 @@ class Sampler:
             if banned:
                 logits[i, banned] = float("-inf")
         if constrained:
-            bitmask = self.bitmasks.fill([seq.grammar for seq in seqs])
+            bitmask = self.bitmasks.fill(seqs)
             apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
         return logits
 

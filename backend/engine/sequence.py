@@ -24,6 +24,7 @@ class SampledToken:
     token_id: int
     logprob: float  # in the model's raw distribution
     top: tuple[tuple[int, float], ...] = ()  # the requested number of most likely (token id, logprob)
+    rank: int | None = None  # 1 + the tokens more likely than it, when logprobs were asked for
 
 
 @dataclass
@@ -36,6 +37,7 @@ class CoreRequest:
     max_tokens: int  # params.max_tokens resolved against the context length
     lora: LoraAdapter | None = None
     grammar: Future | None = None  # the compiling matcher of a constrained request
+    allowed_tokens: torch.Tensor | None = None  # [bitmask words] int32 of params.allowed_token_ids, built once
     sequences: list["Sequence"] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     prompt_hidden_states_sent: bool = False
@@ -97,6 +99,11 @@ class Sequence:
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
+    def has_token_mask(self) -> bool:
+        """Its grammar or its request's allowed_token_ids limit the tokens it may sample."""
+        return self.grammar is not None or self.request.allowed_tokens is not None
+
+    @property
     def num_prompt_hidden_states(self) -> int:
         return sum(chunk.shape[0] for chunk in self.prompt_hidden_states)
 
@@ -106,9 +113,11 @@ class Sequence:
         return self.params.return_prompt_hidden_states and self.num_prompt_hidden_states < self.num_prompt_tokens
 
     @property
-    def prefix_cache_salt(self) -> str | None:
-        """KV computed under one adapter is not valid for another (or the base model): the cache keys differ."""
-        return None if self.request.lora is None else self.request.lora.name
+    def prefix_cache_salt(self) -> tuple[str | None, str | None] | None:
+        """KV computed under one adapter is not valid for another (or the base model), and a request's cache_salt
+        keeps its prefixes from requests with another salt (or none): the cache keys differ."""
+        adapter = None if self.request.lora is None else self.request.lora.name
+        return None if adapter is None and self.params.cache_salt is None else (adapter, self.params.cache_salt)
 
 
 @dataclass

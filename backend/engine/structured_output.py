@@ -1,16 +1,27 @@
 """Constrained decoding in the engine core: each constrained sequence's llguidance matcher masks the logits
 before sampling (`BitmaskFiller` writes the tokens its grammar allows next; EOS only where the grammar accepts)
-and `advance` feeds it the chosen token. Matchers come compiled from backend/processing/grammar_compiler.py."""
+and `advance` feeds it the chosen token. Matchers come compiled from backend/processing/grammar_compiler.py.
+A request's `allowed_token_ids` is a fixed bitmask of its own, combined with its grammar's."""
 
 from __future__ import annotations
 
 import torch
 from llguidance import LLExecutor, LLMatcher
 
+from backend.engine.sequence import Sequence
+
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words of one row of a token bitmask: one bit per token."""
     return (vocab_size + 31) // 32
+
+
+def allowed_tokens_bitmask(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """[words] int32 with the bits of token_ids set (bit t % 32 of word t // 32)."""
+    bits = torch.zeros(bitmask_words(vocab_size) * 32, dtype=torch.int64)
+    bits[token_ids] = 1
+    words = (bits.view(-1, 32) << torch.arange(32)).sum(dim=1)
+    return words.to(torch.int32)  # (wraps: bit 31 is the sign bit)
 
 
 class BitmaskFiller:
@@ -20,15 +31,19 @@ class BitmaskFiller:
         self._words = bitmask_words(vocab_size)
         self._executor: LLExecutor | None = None  # llguidance's own thread pool, made on first use
 
-    def fill(self, matchers: list[LLMatcher | None]) -> torch.Tensor:
-        """[rows, words] int32 on the CPU: each constrained row's allowed tokens; other rows allow everything."""
-        bitmask = torch.full((len(matchers), self._words), -1, dtype=torch.int32)
-        constrained = [(matcher, row) for row, matcher in enumerate(matchers) if matcher is not None]
+    def fill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[rows, words] int32 on the CPU: the tokens each row's grammar allows next, and of those the ones its
+        request's allowed_token_ids allow; other rows allow everything."""
+        bitmask = torch.full((len(seqs), self._words), -1, dtype=torch.int32)
+        constrained = [(seq.grammar, row) for row, seq in enumerate(seqs) if seq.grammar is not None]
         if constrained:
             if self._executor is None:
                 self._executor = LLExecutor()
             # (not llguidance.torch's wrapper: importing that module runs torch.compile)
-            self._executor.unsafe_compute_mask_ptr(constrained, bitmask.data_ptr(), self._words * 4, len(matchers))
+            self._executor.unsafe_compute_mask_ptr(constrained, bitmask.data_ptr(), self._words * 4, len(seqs))
+        for row, seq in enumerate(seqs):
+            if seq.request.allowed_tokens is not None:
+                bitmask[row] &= seq.request.allowed_tokens
         return bitmask
 
 

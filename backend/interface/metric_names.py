@@ -8,6 +8,8 @@ GAUGES = {
     "free_blocks": ("tritonllm:kv_cache_free_blocks", "Free blocks of the paged KV cache"),
     "total_blocks": ("tritonllm:kv_cache_total_blocks", "Blocks of the paged KV cache"),
     "prefix_cache_hit_rate": ("tritonllm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"),
+    # a constant, published for the adapter's /v1/models
+    "max_model_len": ("tritonllm:max_model_len", "Most tokens (prompt + output) one request may hold"),
 }
 COUNTERS = {
     "prompt_tokens": ("tritonllm:prompt_tokens_total", "Prompt tokens of admitted requests"),

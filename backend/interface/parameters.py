@@ -17,14 +17,14 @@ from backend.interface.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1  # Triton's input_ids tensor is INT32
-CONSTRAINTS = ("json_schema", "regex", "ebnf")  # at most one per request
+CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")  # at most one per request
 
 
 @dataclass(frozen=True)
 class Parameter:
     """One sampling parameter. `kind` says how a value is cast: int, float, bool, string, strings (a string or a
-    list of them), token_ids (a list of ids), logit_bias (token id → bias), json_schema (a JSON string or an
-    object). Numbers must lie in [minimum, maximum] (an open end when exclusive), or equal `special`."""
+    list of them), token_ids (a list of ids), logit_bias (token id → bias), json (an object, or a JSON string of
+    one). Numbers must lie in [minimum, maximum] (an open end when exclusive), or equal `special`."""
 
     name: str
     kind: str
@@ -78,18 +78,23 @@ _PARAMETERS = (
     Parameter("repetition_penalty", "float", "over prompt and output tokens (divides positive logits)",
               minimum=0.0, maximum=2.0, exclusive_minimum=True),
     Parameter("logit_bias", "logit_bias", "token id → bias added to its logit", minimum=-100.0, maximum=100.0),
+    Parameter("allowed_token_ids", "token_ids", "only these tokens may be generated (vLLM's); empty: any"),
     Parameter("logprobs", "int", "alternatives per generated token with logprobs; null: no logprobs",
               nullable=True, minimum=0, maximum=MAX_LOGPROBS, api_names=("top_logprobs",)),
     Parameter("prompt_logprobs", "int", "logprobs of the prompt tokens, with this many alternatives",
               nullable=True, minimum=0, maximum=MAX_LOGPROBS),
-    Parameter("json_schema", "json_schema", "constrain the output to a JSON schema", nullable=True,
+    Parameter("json_schema", "json", "constrain the output to a JSON schema", nullable=True,
               api_names=("response_format", "guided_json")),
     Parameter("regex", "string", "constrain the whole output to match a regular expression", nullable=True,
               api_names=("guided_regex",)),
     Parameter("ebnf", "string", "constrain the output to a Lark or GBNF grammar", nullable=True,
               api_names=("guided_grammar", "guided_choice")),
+    Parameter("structural_tag", "json", "SGLang's structural tag: free text in which each trigger starts one of "
+              "the structures (begin, JSON per its schema, end)", nullable=True, api_names=("response_format",)),
     Parameter("lora_path", "string", "LoRA adapter: its name or a path inside the adapters directory",
               nullable=True),
+    Parameter("cache_salt", "string", "requests share cached prompt prefixes only with requests of the same salt "
+              "(vLLM's and SGLang's; e.g. one per tenant)", nullable=True),
     Parameter("return_hidden_states", "bool", "each generated token's final hidden state"),
     Parameter("return_prompt_hidden_states", "bool", "each prompt token's final hidden state too (echo)"),
     Parameter("return_routed_experts", "bool", "MoE models: each generated token's experts per layer"),
@@ -170,11 +175,11 @@ def _cast(parameter: Parameter, value: Any) -> Any:
         if not isinstance(value, dict):
             raise _fail(parameter, "must be an object mapping token ids to biases")
         return {_token_id(parameter, key): _number(parameter, bias, integer=False) for key, bias in value.items()}
-    if kind == "json_schema":
-        if isinstance(value, (dict, bool)):
+    if kind == "json":
+        if isinstance(value, (dict, bool)):  # (a JSON schema may be true or false)
             return json.dumps(value)
         if not isinstance(value, str):
-            raise _fail(parameter, "must be a JSON schema (an object, or a JSON string)")
+            raise _fail(parameter, "must be a JSON object, or a JSON string of one")
         try:
             parsed = json.loads(value) if value else None
         except json.JSONDecodeError as error:
@@ -210,12 +215,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
     lora_path: str | None = None
+    cache_salt: str | None = None
     return_hidden_states: bool = False
     return_prompt_hidden_states: bool = False
     return_routed_experts: bool = False

@@ -10,4 +10,22 @@ OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "nu
            "num_cached_tokens", "matched_stop", "prompt_logprobs", "hidden_states", "prompt_hidden_states",
            "routed_experts")
 
+RUNNING = "None"  # finish_reason of a choice still running: vllm_backend sends Python's str(None)
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # roles the `messages` input accepts
+
+
+def message_text(content) -> str:
+    """A chat message's content as the chat template gets it: a string, or OpenAI's list of content parts, whose
+    text parts are concatenated. ValueError for anything else (the model reads text only)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise ValueError("content must be a string or a list of content parts")
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(f"content parts of type {part.get('type')!r} are not supported: this model reads text "
+                             "only (parts of type 'text')")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a content part of type 'text' needs a string 'text'")
+    return "".join(part["text"] for part in content)

@@ -1,4 +1,5 @@
-"""Compiling constraints (`json_schema`, `regex`, `ebnf`) into llguidance matchers, off the engine core's thread.
+"""Compiling constraints (`json_schema`, `regex`, `ebnf`, `structural_tag`) into llguidance matchers, off the engine
+core's thread.
 
 A small thread pool compiles each constraint into a matcher in its initial state; a bounded cache keyed by the
 grammar text means a repeated schema is compiled once, and requests that arrive while it compiles share that one
@@ -6,6 +7,7 @@ compile. The core waits for the future and gives each sequence its own copy (eng
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -26,6 +28,43 @@ _FORMATS = {"regex": "regex", "ebnf": "grammar"}
 # Compact JSON (", " and ": " separators, no free whitespace): a small model given free whitespace may spend its
 # token budget on blank lines.
 _JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def structural_tag_lark(text: str) -> str:
+    """SGLang's structural tag as a Lark grammar. Its `structures` (begin, schema, end) and `triggers` are
+    llguidance's structural tags: free text in which a trigger (text, even when it looks like a special token)
+    must go on as a structure whose begin starts with it, then JSON of its schema, then its end. xgrammar's
+    newer `format` trees have no llguidance counterpart, nor does `at_least_one`: both are refused."""
+    def fail(message: str) -> InvalidRequest:
+        return InvalidRequest(f"invalid structural_tag: {message}", "structural_tag")
+
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise fail(f"not valid JSON: {error}") from None
+    if not isinstance(tag, dict):
+        raise fail("it must be an object with structures and triggers")
+    if "format" in tag:
+        raise fail("the 'format' form (xgrammar's structural tag) is not supported: give 'structures' and "
+                   "'triggers' (SGLang's form, which llguidance implements)")
+    if tag.get("at_least_one"):
+        raise fail("at_least_one is not supported")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise fail("triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise fail("structures must be a non-empty list of {begin, schema, end} objects")
+    tags = []
+    for index, structure in enumerate(structures):
+        if not isinstance(structure, dict) or not isinstance(structure.get("begin"), str) \
+                or not isinstance(structure.get("end"), str) or not isinstance(structure.get("schema") or {}, dict):
+            raise fail(f"structures[{index}] must be an object with a string begin and end and a schema object")
+        starts = [trigger for trigger in triggers if structure["begin"].startswith(trigger)]
+        if not starts:
+            raise fail(f"structures[{index}].begin {structure['begin']!r} starts with none of the triggers")
+        tags.append(llguidance.StructTag(trigger=max(starts, key=len), begin=structure["begin"],
+                                         grammar=structure.get("schema") or {}, end=structure["end"]))
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
 class GrammarCompiler:
@@ -77,6 +116,8 @@ class GrammarCompiler:
         try:
             if name == "json_schema":
                 grammar = LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+            elif name == "structural_tag":
+                grammar = LLMatcher.grammar_from_lark(structural_tag_lark(text))
             else:
                 grammar = llguidance.grammar_from(_FORMATS[name], text)
         except ValueError as error:

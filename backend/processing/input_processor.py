@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from backend.config import EngineConfig
 from backend.engine.engine_core import ModelLimits
 from backend.engine.sequence import CoreRequest
+from backend.engine.structured_output import allowed_tokens_bitmask
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
 from backend.layers.lora import LoraAdapter
@@ -64,7 +65,9 @@ class InputProcessor:
         self._check_extensions(params, prompt_len, max_tokens)
         lora = self._adapter(params.lora_path)
         grammar = None if params.constraint is None else self.grammars.compile(*params.constraint)
-        return CoreRequest(request_id, prompt_token_ids, params, max_tokens, lora, grammar)
+        allowed = allowed_tokens_bitmask(params.allowed_token_ids, self.limits.vocab_size) \
+            if params.allowed_token_ids else None
+        return CoreRequest(request_id, prompt_token_ids, params, max_tokens, lora, grammar, allowed)
 
     def _tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """Token ids of a text, token-id or chat-messages prompt."""
@@ -94,7 +97,8 @@ class InputProcessor:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.limits.vocab_size
-        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
+                                ("allowed_token_ids", params.allowed_token_ids)):
             bad = [t for t in token_ids if t >= vocab]
             if bad:
                 raise InvalidRequest(f"{name} has token id {bad[0]}, outside the vocabulary [0, {vocab})", name)

@@ -122,7 +122,8 @@ class OutputProcessor:
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:
         return TokenLogprob(sampled.token_id, self.token_text(sampled.token_id), sampled.logprob,
-                            [(token_id, self.token_text(token_id), logprob) for token_id, logprob in sampled.top])
+                            [(token_id, self.token_text(token_id), logprob) for token_id, logprob in sampled.top],
+                            sampled.rank)
 
     def _apply(self, params: SamplingParams, choice: _Choice, update: SequenceUpdate) -> None:
         choice.pending_hidden_states += update.hidden_states
@@ -148,7 +149,7 @@ class OutputProcessor:
     def _find_stop_string(params: SamplingParams, choice: _Choice, searched_from: int) -> bool:
         """End the choice at the earliest stop string or stop_regex match in its text, if any."""
         text = choice.text
-        matches = []  # (start, end, what matched)
+        matches = []  # (start, end, matched_stop: the stop string, or the stop_regex pattern as SGLang says)
         if params.stop:
             start = max(0, searched_from - max(len(stop) for stop in params.stop) + 1)
             for stop in params.stop:
@@ -158,7 +159,7 @@ class OutputProcessor:
         for pattern in params.stop_patterns:  # a regex may match anywhere, so the whole text is searched
             found = pattern.search(text)
             if found:
-                matches.append((found.start(), found.end(), found.group(0)))
+                matches.append((found.start(), found.end(), pattern.pattern))
         if not matches:
             return False
         start, end, matched = min(matches)

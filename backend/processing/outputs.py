@@ -12,7 +12,8 @@ class TokenLogprob:
     token_id: int
     token: str
     logprob: float | None  # None for the first prompt token, which nothing predicts
-    top: list[tuple[int, str, float]]  # the most likely alternatives: (id, text, logprob)
+    top: list[tuple[int, str, float]]  # the most likely alternatives, most likely first: (id, text, logprob)
+    rank: int | None = None  # 1 + the tokens more likely than it (None for the first prompt token)
 
 
 @dataclass
