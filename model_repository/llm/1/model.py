@@ -60,7 +60,7 @@ class _InFlight:
 class TritonPythonModel:
     def initialize(self, args):
         # The stub ignores SIGTERM and would outlive a crashed tritonserver with the model in memory.
-        watch_parent("tritonllm stub")
+        self.watchdog = watch_parent()
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
