@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend import launcher, model_files
-from backend.config import EngineConfig
+from backend.config import EngineConfig, InstanceGroup
 from backend.interface import tensors
 from stack_helpers import free_ports
 from tritonllm import cli
@@ -84,6 +84,40 @@ def test_write_model_repository(tmp_path):
     model_py = repository / "llm" / "1" / "model.py"
     assert model_py.is_symlink() and model_py.resolve() == (source / "llm" / "1" / "model.py").resolve()
     assert _parameters((repository / "llm" / "config.pbtxt").read_text())["kv_cache_memory"] == "64MiB"
+
+
+def _instance_group(config_text: str) -> str:
+    [line] = [line for line in config_text.splitlines() if line.startswith("instance_group")]
+    return line
+
+
+def test_instance_group_is_written_from_its_declaration(tmp_path):
+    """The checked-in entry is the declared default; --instances and --gpus rewrite it."""
+    source = (launcher.SOURCE_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    assert _instance_group(source) == InstanceGroup().to_pbtxt() == "instance_group [{ count: 1, kind: KIND_MODEL }]"
+    for instances, expected in [
+        (InstanceGroup(instances=2), "instance_group [{ count: 2, kind: KIND_MODEL }]"),
+        (InstanceGroup(gpus="0,1"), "instance_group [{ count: 1, kind: KIND_GPU, gpus: [ 0, 1 ] }]"),
+    ]:
+        repository = launcher.write_model_repository(tmp_path / "repo", {}, instances)
+        assert _instance_group((repository / "llm" / "config.pbtxt").read_text()) == expected
+
+
+@pytest.mark.parametrize("option, value", [("--instances", "0"), ("--gpus", "0,0"), ("--gpus", "cuda:0")])
+def test_instance_group_options_refuse_what_triton_cannot_place(option, value):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", option, value])
+    assert cli.build_parser().parse_args(["serve", "--gpus", " 2, 3"]).gpus == "2,3"
+
+
+def test_each_tritonserver_names_its_own_shared_memory_regions(tmp_path):
+    """Python-backend stubs of two tritonservers on one host must not share /dev/shm regions."""
+    commands = [launcher.TritonServer(tmp_path, tmp_path, grpc_port=port, tritonserver=Path("/bin/true"))
+                ._command(tmp_path) for port in (8001, 9001)]
+    options = [[arg for arg in command if arg.startswith("--backend-config=python,shm-region-prefix-name=")]
+               for command in commands]
+    assert options == [["--backend-config=python,shm-region-prefix-name=tritonllm_8001_"],
+                       ["--backend-config=python,shm-region-prefix-name=tritonllm_9001_"]]
 
 
 # --- tritonserver discovery and environment ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from backend import launcher, model_files
-from backend.config import EngineConfig
+from backend.config import EngineConfig, InstanceGroup
 from backend.interface import settings
 from backend.interface.settings import setting
 from openai_adapter.settings import AdapterSettings
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run tritonserver and the OpenAI-compatible adapter")
     settings.add_options(serve, EngineConfig)
+    settings.add_options(serve, InstanceGroup)
     settings.add_options(serve, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
     settings.add_options(serve, ServeSettings)
 
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "write-repository", help="write a model repository for running tritonserver yourself (e.g. in NGC)")
     repository.add_argument("repository", type=Path, help="folder to write llm/ into")
     settings.add_options(repository, EngineConfig)
+    settings.add_options(repository, InstanceGroup)
     return parser
 
 
@@ -74,7 +76,7 @@ def _write_repository(args: argparse.Namespace, repository: Path) -> str:
     log.info("model at %s", model_dir)
     # tritonserver runs elsewhere: paths go absolute
     config = settings.from_options(EngineConfig, args, model_path=str(model_dir), lora_dir=_lora_dir(args.lora_dir))
-    launcher.write_model_repository(repository, config.to_strings())
+    launcher.write_model_repository(repository, config.to_strings(), settings.from_options(InstanceGroup, args))
     return model_files.served_model_name(model_dir)
 
 

@@ -64,6 +64,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path):
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # kernels launch on the current device: make it this engine's GPU
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model = LlamaForCausalLM.from_pretrained(model_dir, self.dtype, self.device)
