@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from backend import launcher, model_files
 from backend.config import EngineConfig, InstanceGroup
+from backend.interface import settings
 from backend.interface import tensors
 from stack_helpers import free_ports
 from tritonllm import cli
@@ -241,6 +242,20 @@ def test_write_repository_command(tmp_path):
     parameters = _parameters((tmp_path / "repo" / "llm" / "config.pbtxt").read_text())
     assert parameters["model_path"] == str(model_dir.resolve())
     assert parameters["max_num_seqs"] == "4"
+
+
+def test_options_reach_child_commands_through_the_environment(monkeypatch):
+    """What scale-out gives each stack: the same engine and adapter settings, secrets off the command line."""
+    args = cli.build_parser().parse_args(["scale-out", "--kv-cache-memory", "128MiB", "--enable-prefix-caching",
+                                          "false", "--instances", "2", "--api-key", "sk-secret"])
+    env = {**settings.to_env(EngineConfig, args), **settings.to_env(InstanceGroup, args),
+           **settings.to_env(cli.AdapterSettings, args)}
+    assert "TRITONLLM_MAX_TOKENS" not in env  # unset stays unset
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    child = cli.build_parser().parse_args(["serve"])
+    assert (child.kv_cache_memory, child.enable_prefix_caching, child.instances, child.api_key) == (
+        128 << 20, False, 2, "sk-secret")
 
 
 def test_cli_reports_a_bad_model_path(tmp_path):

@@ -1,6 +1,7 @@
 """The `tritonllm` console script: `prepare` converts the default model once; `serve` runs tritonserver with
-the `llm` model and the OpenAI-compatible adapter in front of it, and stops both together; `write-repository`
-only writes the model repository, for a tritonserver run some other way (docker-compose.yml)."""
+the `llm` model and the OpenAI-compatible adapter in front of it, and stops both together; `scale-out` runs
+several such stacks behind an SMG gateway (tritonllm/scale_out.py); `write-repository` only writes the model
+repository, for a tritonserver run some other way (docker-compose.yml)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from backend.config import EngineConfig, InstanceGroup
 from backend.interface import settings
 from backend.interface.settings import setting
 from openai_adapter.settings import AdapterSettings
+from tritonllm.scale_out import Fleet, FleetError, ScaleOutSettings
 
 log = logging.getLogger("tritonllm")
 
@@ -27,6 +29,8 @@ READY_TIMEOUT_S = 600  # generous: a large model loading on a slow host
 
 # AdapterSettings that `serve` fills in itself (from where it starts tritonserver and what it serves).
 _DERIVED_ADAPTER_SETTINGS = ("triton_url", "triton_model", "lora_dir", "triton_metrics_url")
+# ServeSettings that `scale-out` decides for each stack.
+_STACK_PLACE_SETTINGS = ("host", "port", "triton_host", "http_port", "grpc_port", "metrics_port")
 
 
 class _Stop(Exception):
@@ -60,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_options(serve, InstanceGroup)
     settings.add_options(serve, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
     settings.add_options(serve, ServeSettings)
+
+    scale = commands.add_parser("scale-out", help="run several serve stacks behind an SMG gateway, stopped together")
+    settings.add_options(scale, ScaleOutSettings)
+    settings.add_options(scale, ServeSettings, exclude=_STACK_PLACE_SETTINGS)
+    settings.add_options(scale, EngineConfig)
+    settings.add_options(scale, InstanceGroup)
+    settings.add_options(scale, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
 
     repository = commands.add_parser(
         "write-repository", help="write a model repository for running tritonserver yourself (e.g. in NGC)")
@@ -159,6 +170,33 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def scale_out(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    # Resolved once here: the stacks would otherwise all convert the default model at the same time.
+    log.info("preparing model…")
+    args.model_path = str(model_files.resolve_model_path(args.model_path))
+    args.lora_dir = _lora_dir(args.lora_dir)
+    # Every stack gets the same engine and adapter options, through its environment.
+    stack_env = {**settings.to_env(EngineConfig, args), **settings.to_env(InstanceGroup, args),
+                 **settings.to_env(AdapterSettings, args)}
+    fleet = None
+    try:
+        fleet = Fleet(settings.from_options(ScaleOutSettings, args), _state_dir(args.state_dir), stack_env,
+                      args.log_level, args.api_key)
+        fleet.start()
+        fleet.supervise()
+    except _Stop as stop:
+        log.info("stopping (%s)", stop)
+        return 0
+    except FleetError as error:
+        log.error("%s", error)
+        return 1
+    finally:
+        if fleet is not None:
+            fleet.stop()
+
+
 def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_name: str) -> None:
     from openai_adapter.app import run
 
@@ -175,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local files; never reach for the hub
-    commands = {"prepare": prepare, "serve": serve, "write-repository": write_repository}
+    commands = {"prepare": prepare, "serve": serve, "scale-out": scale_out, "write-repository": write_repository}
     try:
         return commands[args.command](args)
     except (FileNotFoundError, ValueError) as error:  # a bad --model or a missing tritonserver
