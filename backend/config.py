@@ -83,4 +83,5 @@ class InstanceGroup:
         """The instance_group entry of config.pbtxt."""
         if not self.gpus:
             return f"instance_group [{{ count: {self.instances}, kind: KIND_MODEL }}]"
-        return f"instance_group [{{ count: {self.instances}, kind: KIND_GPU, gpus: [ {', '.join(self.gpus.split(','))} ] }}]"
+        gpus = ", ".join(self.gpus.split(","))
+        return f"instance_group [{{ count: {self.instances}, kind: KIND_GPU, gpus: [ {gpus} ] }}]"
