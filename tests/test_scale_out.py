@@ -1,13 +1,12 @@
-"""`tritonllm scale-out`: two stacks behind the SMG gateway, as real processes on loopback. Cache-aware routing
-keeps each conversation on one stack and serves more prompt tokens from the prefix cache than random routing;
-the gateway answers exactly as a stack does; a killed stack is routed around, restarted, and takes traffic again;
-SIGTERM stops every process."""
+"""`tritonllm scale-out` (and `tritonllm gateway`): two stacks behind the SMG gateway, as real processes on
+loopback. Cache-aware routing keeps each conversation on one stack and serves more prompt tokens from the prefix
+cache than random routing; the gateway answers exactly as a stack does; a killed stack is routed around,
+restarted, and takes traffic again; SIGTERM stops every process."""
 
 from __future__ import annotations
 
 import os
 import random
-import shlex
 import signal
 import subprocess
 import sys
@@ -24,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from backend.model_files import served_model_name
 from stack_helpers import REPO_ROOT, command_line, descendant_pids, free_port_range, free_ports
-from tritonllm.scale_out import PORTS_PER_STACK, ScaleOutSettings, gateway_command, gateway_routes_to
+from tritonllm.gateway import GatewaySettings, routes_to_every_stack
+from tritonllm.scale_out import PORTS_PER_STACK
 
 STACKS = 2
 READY_TIMEOUT_S = 420  # two models loading at once on a loaded 2-core host
@@ -54,10 +54,10 @@ class Fleet:
         return (self.state_dir / "scale-out.log").read_text(errors="replace")[-4000:]
 
 
-def _wait(condition, timeout_s: float, what: str, fleet_process: subprocess.Popen | None = None) -> None:
+def _wait(condition, timeout_s: float, what: str, process: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert fleet_process is None or fleet_process.poll() is None, f"scale-out exited while waiting for {what}"
+        assert process is None or process.poll() is None, f"{process.args} exited while waiting for {what}"
         assert time.monotonic() < deadline, f"{what} not within {timeout_s:.0f} s"
         time.sleep(0.5)
 
@@ -149,16 +149,19 @@ def test_cache_aware_routing_keeps_conversations_on_their_stack_and_beats_random
     assert all(len(stacks) == 1 for stacks in served_by.values()), served_by
     assert {i for stacks in served_by.values() for i in stacks} == set(range(STACKS)), "one stack got nothing"
 
-    # The same stacks behind a second gateway that routes at random; a fresh workload of the same shape.
+    # The same stacks behind a second gateway (`tritonllm gateway`) that routes at random; a fresh workload of
+    # the same shape.
     port, metrics_port = free_ports(2)
-    command = gateway_command([stack.url for stack in fleet.stacks], "random", "127.0.0.1", port, metrics_port,
-                              shlex.split(ScaleOutSettings().gateway_options))
+    random_gateway = GatewaySettings(worker_urls=",".join(stack.url for stack in fleet.stacks), port=port,
+                                     metrics_port=metrics_port, policy="random")
+    command = [sys.executable, "-m", "tritonllm", "gateway", "--worker-urls", random_gateway.worker_urls,
+               "--port", str(port), "--gateway-metrics-port", str(metrics_port), "--policy", "random"]
     with open(fleet.state_dir / "random-gateway.log", "wb") as log:
-        gateway = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        gateway = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
     try:
-        random_url = f"http://127.0.0.1:{port}"
-        _wait(lambda: gateway_routes_to(random_url, [stack.url for stack in fleet.stacks]), 60, "the random gateway")
-        at_random, _ = _run_conversations(random_url, fleet.model, fleet.stacks, seed=2)
+        _wait(lambda: routes_to_every_stack(random_gateway), 60, "the random gateway", gateway)
+        at_random, _ = _run_conversations(random_gateway.local_url, fleet.model, fleet.stacks, seed=2)
     finally:
         gateway.terminate()
         gateway.wait(30)
@@ -216,12 +219,12 @@ def test_a_killed_stack_is_routed_around_then_restarted_and_takes_traffic_again(
     outcomes: list[tuple[float, bool, str]] = []  # (start, succeeded, error)
     stop = threading.Event()
 
-    def client(k: int) -> None:
+    def client(rng: random.Random) -> None:
         with httpx.Client(timeout=120) as http:
-            i = 0
             while not stop.is_set():
-                i += 1
-                body = {"model": fleet.model, "prompt": f"Client {k}, request {i}: a short poem about the sea",
+                # A new prefix each time: cache-aware routing then sends it to the stack with the least cached,
+                # as it does with new conversations, so the restarted stack is not passed over.
+                body = {"model": fleet.model, "prompt": f"{rng.randrange(16**8):08x}: a short poem about the sea",
                         "max_tokens": 8, "temperature": 0}
                 started = time.monotonic()
                 try:
@@ -230,7 +233,7 @@ def test_a_killed_stack_is_routed_around_then_restarted_and_takes_traffic_again(
                 except httpx.HTTPError as error:
                     outcomes.append((started, False, repr(error)))
 
-    clients = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    clients = [threading.Thread(target=client, args=(random.Random(k),)) for k in range(3)]
     for thread in clients:
         thread.start()
     try:

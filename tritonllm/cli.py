@@ -1,7 +1,8 @@
 """The `tritonllm` console script: `prepare` converts the default model once; `serve` runs tritonserver with
-the `llm` model and the OpenAI-compatible adapter in front of it, and stops both together; `scale-out` runs
-several such stacks behind an SMG gateway (tritonllm/scale_out.py); `write-repository` only writes the model
-repository, for a tritonserver run some other way (docker-compose.yml)."""
+the `llm` model and the OpenAI-compatible adapter in front of it, and stops both together; `gateway` runs the
+SMG gateway over stacks (tritonllm/gateway.py); `scale-out` runs several stacks behind one and stops them all
+together (tritonllm/scale_out.py); `write-repository` only writes the model repository, for a tritonserver run
+some other way (docker-compose.yml)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from backend.config import EngineConfig, InstanceGroup
 from backend.interface import settings
 from backend.interface.settings import setting
 from openai_adapter.settings import AdapterSettings
+from tritonllm.gateway import GatewaySettings, gateway_command
 from tritonllm.scale_out import Fleet, FleetError, ScaleOutSettings
 
 log = logging.getLogger("tritonllm")
@@ -31,6 +33,8 @@ READY_TIMEOUT_S = 600  # generous: a large model loading on a slow host
 _DERIVED_ADAPTER_SETTINGS = ("triton_url", "triton_model", "lora_dir", "triton_metrics_url")
 # ServeSettings that `scale-out` decides for each stack.
 _STACK_PLACE_SETTINGS = ("host", "port", "triton_host", "http_port", "grpc_port", "metrics_port")
+# The one AdapterSettings the gateway needs too: the stacks' API key.
+_ALL_BUT_API_KEY = tuple(field.name for field in settings.settings_fields(AdapterSettings) if field.name != "api_key")
 
 
 class _Stop(Exception):
@@ -65,8 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_options(serve, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
     settings.add_options(serve, ServeSettings)
 
+    gateway = commands.add_parser("gateway", help="run the SMG gateway in front of stacks (smg launch)")
+    settings.add_options(gateway, GatewaySettings)
+    settings.add_options(gateway, AdapterSettings, exclude=_ALL_BUT_API_KEY)
+
     scale = commands.add_parser("scale-out", help="run several serve stacks behind an SMG gateway, stopped together")
     settings.add_options(scale, ScaleOutSettings)
+    settings.add_options(scale, GatewaySettings, exclude=("worker_urls",))
     settings.add_options(scale, ServeSettings, exclude=_STACK_PLACE_SETTINGS)
     settings.add_options(scale, EngineConfig)
     settings.add_options(scale, InstanceGroup)
@@ -170,6 +179,13 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def gateway(args: argparse.Namespace) -> int:
+    command = gateway_command(settings.from_options(GatewaySettings, args), args.api_key)
+    log.info("gateway: smg --policy %s on http://%s:%d/v1 over %s", args.policy, args.host, args.port,
+             args.worker_urls)
+    os.execv(command[0], command)  # becomes smg: its signals, its exit code
+
+
 def scale_out(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
@@ -182,8 +198,8 @@ def scale_out(args: argparse.Namespace) -> int:
                  **settings.to_env(AdapterSettings, args)}
     fleet = None
     try:
-        fleet = Fleet(settings.from_options(ScaleOutSettings, args), _state_dir(args.state_dir), stack_env,
-                      args.log_level, args.api_key)
+        fleet = Fleet(settings.from_options(ScaleOutSettings, args), settings.from_options(GatewaySettings, args),
+                      _state_dir(args.state_dir), stack_env, args.log_level, args.api_key)
         fleet.start()
         fleet.supervise()
     except _Stop as stop:
@@ -213,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local files; never reach for the hub
-    commands = {"prepare": prepare, "serve": serve, "scale-out": scale_out, "write-repository": write_repository}
+    commands = {"prepare": prepare, "serve": serve, "gateway": gateway, "scale-out": scale_out,
+                "write-repository": write_repository}
     try:
         return commands[args.command](args)
     except (FileNotFoundError, ValueError) as error:  # a bad --model or a missing tritonserver
