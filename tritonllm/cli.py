@@ -189,7 +189,7 @@ def gateway(args: argparse.Namespace) -> int:
 def scale_out(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
-    # Resolved once here: the stacks would otherwise all convert the default model at the same time.
+    # Resolved (the default model converted) once here, not by each stack in turn.
     log.info("preparing model…")
     args.model_path = str(model_files.resolve_model_path(args.model_path))
     args.lora_dir = _lora_dir(args.lora_dir)
