@@ -147,6 +147,26 @@ def write_model_repository(repository: Path, engine_parameters: dict[str, str],
 
 # --- the server process -------------------------------------------------------------------------------------
 
+def answers_ok(url: str) -> bool:
+    """GET url answers 200 within 2 s."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a log, without blank lines and table borders (Triton's startup tables would otherwise
+    push the interesting lines out)."""
+    try:
+        with open(path, errors="replace") as log:
+            kept = (line for line in log if line.strip() and not line.startswith("+"))
+            return "".join(deque(kept, maxlen=lines))
+    except FileNotFoundError:
+        return ""
+
+
 class TritonStartError(RuntimeError):
     pass
 
@@ -231,17 +251,10 @@ class TritonServer:
             if not self.is_running():
                 code = self.process.returncode if self.process else None
                 raise TritonStartError(f"tritonserver exited with code {code}:\n{self.log_tail()}")
-            if self._answers_ok("/v2/health/ready") and self._answers_ok(f"/v2/models/{MODEL_NAME}/ready"):
+            if all(answers_ok(self.http_url + path) for path in ("/v2/health/ready", f"/v2/models/{MODEL_NAME}/ready")):
                 return
             time.sleep(0.5)
         raise TritonStartError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def _answers_ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.http_url + path, timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
 
     def on_unexpected_exit(self, callback: Callable[[int], None]) -> None:
         """Call `callback(returncode)` from a watcher thread if the process ends without stop() being called."""
@@ -268,14 +281,7 @@ class TritonServer:
             self.process.wait()
 
     def log_tail(self, lines: int = 40) -> str:
-        """The last lines of the server log, without blank lines and table borders (Triton's startup tables
-        would otherwise push the interesting lines out)."""
-        try:
-            with open(self.log_path, errors="replace") as log:
-                kept = (line for line in log if line.strip() and not line.startswith("+"))
-                return "".join(deque(kept, maxlen=lines))
-        except FileNotFoundError:
-            return ""
+        return log_tail(self.log_path, lines)
 
     def __enter__(self) -> "TritonServer":
         self.start()

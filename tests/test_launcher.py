@@ -22,7 +22,8 @@ from backend.config import EngineConfig, InstanceGroup
 from backend.interface import settings
 from backend.interface import tensors
 from stack_helpers import free_ports
-from tritonllm import cli
+from tritonllm import cli, scale_out
+from tritonllm.gateway import GatewaySettings, gateway_command
 
 # --- config.pbtxt parameters ---------------------------------------------------------------------------------
 
@@ -256,6 +257,26 @@ def test_options_reach_child_commands_through_the_environment(monkeypatch):
     child = cli.build_parser().parse_args(["serve"])
     assert (child.kv_cache_memory, child.enable_prefix_caching, child.instances, child.api_key) == (
         128 << 20, False, 2, "sk-secret")
+
+
+def test_scale_out_places_each_stack_on_its_ports_state_dir_and_gpu(tmp_path):
+    places = scale_out.stack_places(scale_out.ScaleOutSettings(stacks=2, first_stack_port=9100, stack_gpus="2,3"),
+                                    tmp_path)
+    assert [(p.ports, p.state_dir, p.gpu, p.url) for p in places] == [
+        ((9100, 9101, 9102, 9103), tmp_path / "stack0", "2", "http://127.0.0.1:9100"),
+        ((9104, 9105, 9106, 9107), tmp_path / "stack1", "3", "http://127.0.0.1:9104")]
+    with pytest.raises(scale_out.FleetError, match="one per stack"):
+        scale_out.stack_places(scale_out.ScaleOutSettings(stacks=3, stack_gpus="0,1"), tmp_path)
+
+
+def test_gateway_command_routes_over_the_stacks_with_the_declared_defaults():
+    args = cli.build_parser().parse_args(["gateway", "--worker-urls", "http://a:9000, http://b:9000", "--policy",
+                                          "random", "--api-key", "sk-key"])
+    command = gateway_command(settings.from_options(GatewaySettings, args), args.api_key)
+    assert command[:4] == [sys.executable, "-m", "smg", "launch"]
+    text = " ".join(command)
+    assert "--worker-urls http://a:9000 http://b:9000 --policy random" in text
+    assert GatewaySettings().options in text and text.endswith("--api-key sk-key")
 
 
 def test_cli_reports_a_bad_model_path(tmp_path):

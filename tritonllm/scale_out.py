@@ -17,12 +17,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections import deque
 from pathlib import Path
 
 from backend.interface.settings import setting
+from backend.launcher import answers_ok, log_tail
 from backend.parent_death import die_with_parent
 from tritonllm.gateway import SHUTDOWN_GRACE_S, GatewaySettings, gateway_command, routes_to_every_stack
 
@@ -48,22 +46,6 @@ class ScaleOutSettings:
 
 class FleetError(RuntimeError):
     pass
-
-
-def _answers_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as file:
-            return "".join(deque(file, maxlen=lines))
-    except FileNotFoundError:
-        return ""
 
 
 @dataclasses.dataclass
@@ -104,8 +86,8 @@ class Child:
             self.process.wait()
 
     def exit_report(self) -> str:
-        return f"{self.name} exited with code {self.process.returncode}; the end of {self.log_path}:\n" + _tail(
-            self.log_path)
+        return (f"{self.name} exited with code {self.process.returncode}; the end of {self.log_path}:\n"
+                + log_tail(self.log_path, 30))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +145,7 @@ class Fleet:
                      metrics, stack.log_path)
             stack.start()
         for place, stack in zip(self.places, self.stacks):
-            self._wait(lambda: _answers_ok(place.url + "/health"), stack, STACK_READY_TIMEOUT_S)
+            self._wait(lambda: answers_ok(place.url + "/health"), stack, STACK_READY_TIMEOUT_S)
             log.info("%s ready (%.0f s)", stack.name, time.monotonic() - started)
         gateway = self.gateway_config
         log.info("starting the gateway: smg --policy %s on http://%s:%d/v1 (metrics port %d); log %s",
