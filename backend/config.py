@@ -1,5 +1,6 @@
 """Engine settings, declared once: `tritonllm serve` / `write-repository` options (with env vars and help), the
-`llm` model's config.pbtxt parameters and `EngineConfig` all come from these fields."""
+`llm` model's config.pbtxt parameters and `EngineConfig` all come from these fields; `InstanceGroup` says how
+many engines one tritonserver runs, and where (the config.pbtxt instance_group)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class EngineConfig:
                                          "exact or near-exact ones at load and takes the fastest",
                                  choices=WEIGHT_FORMATS)
     device: str = setting("auto", "cpu, cuda or auto (cuda when available)")
-    kv_cache_memory: int = setting(1 << 30, "bytes for the paged KV cache (e.g. 512MiB, 8GiB)", parse=parse_size)
+    kv_cache_memory: int = setting(1 << 30, "bytes for the paged KV cache of each engine instance (e.g. 512MiB, 8GiB)",
+                                   parse=parse_size)
     block_size: int = setting(16, "tokens per KV cache block")
     max_num_seqs: int = setting(64, "sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")
@@ -55,3 +57,37 @@ class EngineConfig:
     def to_strings(self) -> dict[str, str]:
         """As config.pbtxt parameters."""
         return settings.to_strings(self)
+
+
+def parse_gpu_ids(text: str) -> str:
+    """'0, 1' → '0,1'; empty stays empty."""
+    ids = [part.strip() for part in str(text).split(",") if part.strip()]
+    if not all(part.isdigit() for part in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"not a list of distinct GPU ids: {text!r} (example: 0,1)")
+    return ",".join(ids)
+
+
+def parse_instances(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise ValueError(f"instances must be at least 1, not {count}")
+    return count
+
+
+@dataclass(frozen=True)
+class InstanceGroup:
+    """The engines one tritonserver runs: the `llm` model's instance_group. Each instance is a whole engine in
+    its own stub process (weights, KV cache of kv_cache_memory, scheduler); Triton hands each request to a free
+    instance, with no regard for which one holds its prompt's prefix in cache."""
+
+    instances: int = setting(1, "engines (Triton model instances) in this tritonserver; with --gpus, engines on "
+                                "each listed GPU", parse=parse_instances)
+    gpus: str = setting("", "GPU ids for the engines, e.g. 0,1 (KIND_GPU: each engine on its GPU); empty: "
+                            "KIND_MODEL, each engine takes CUDA when available, else the CPU", parse=parse_gpu_ids)
+
+    def to_pbtxt(self) -> str:
+        """The instance_group entry of config.pbtxt."""
+        if not self.gpus:
+            return f"instance_group [{{ count: {self.instances}, kind: KIND_MODEL }}]"
+        gpus = ", ".join(self.gpus.split(","))
+        return f"instance_group [{{ count: {self.instances}, kind: KIND_GPU, gpus: [ {gpus} ] }}]"

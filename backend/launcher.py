@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+from backend.config import InstanceGroup
 from backend.parent_death import die_with_parent
 
 MODEL_NAME = "llm"
@@ -122,20 +123,49 @@ def set_pbtxt_parameters(config_text: str, parameters: dict[str, str]) -> str:
     return config_text
 
 
+def set_pbtxt_instance_group(config_text: str, instance_group: str) -> str:
+    """Replace the one-line `instance_group [...]` entry of a model config."""
+    config_text, found = re.subn(r"^instance_group\b.*$", lambda _: instance_group, config_text, flags=re.MULTILINE)
+    if found != 1:
+        raise ValueError(f"expected one single-line instance_group entry in the model config, found {found}")
+    return config_text
+
+
 def write_model_repository(repository: Path, engine_parameters: dict[str, str],
-                           source: Path = SOURCE_MODEL_REPOSITORY) -> Path:
-    """(Re)create `repository`/llm with config.pbtxt (source's, parameters set) and 1/model.py (a symlink to
-    source's, so the engine code stays the repo's). Returns `repository`."""
+                           instances: InstanceGroup = InstanceGroup(), source: Path = SOURCE_MODEL_REPOSITORY) -> Path:
+    """(Re)create `repository`/llm with config.pbtxt (source's, parameters and instance group set) and
+    1/model.py (a symlink to source's, so the engine code stays the repo's). Returns `repository`."""
     shutil.rmtree(repository / MODEL_NAME, ignore_errors=True)
     version_dir = repository / MODEL_NAME / "1"
     version_dir.mkdir(parents=True)
     config_text = (source / MODEL_NAME / "config.pbtxt").read_text()
-    (repository / MODEL_NAME / "config.pbtxt").write_text(set_pbtxt_parameters(config_text, engine_parameters))
+    config_text = set_pbtxt_instance_group(set_pbtxt_parameters(config_text, engine_parameters), instances.to_pbtxt())
+    (repository / MODEL_NAME / "config.pbtxt").write_text(config_text)
     (version_dir / "model.py").symlink_to((source / MODEL_NAME / "1" / "model.py").resolve())
     return repository
 
 
 # --- the server process -------------------------------------------------------------------------------------
+
+def answers_ok(url: str) -> bool:
+    """GET url answers 200 within 2 s."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a log, without blank lines and table borders (Triton's startup tables would otherwise
+    push the interesting lines out)."""
+    try:
+        with open(path, errors="replace") as log:
+            kept = (line for line in log if line.strip() and not line.startswith("+"))
+            return "".join(deque(kept, maxlen=lines))
+    except FileNotFoundError:
+        return ""
+
 
 class TritonStartError(RuntimeError):
     pass
@@ -168,6 +198,10 @@ class TritonServer:
         """host:port, the form tritonclient.grpc expects."""
         return f"{self.host}:{self.grpc_port}"
 
+    @property
+    def shm_region_prefix(self) -> str:
+        return f"tritonllm_{self.grpc_port}_"
+
     def _command(self, backend_dir: Path) -> list[str]:
         return [
             str(self.tritonserver),
@@ -177,6 +211,10 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
+            # Python-backend stubs talk to the server through /dev/shm regions named from this prefix: distinct for
+            # each tritonserver on the host (as its gRPC port is), so several never share a region, and a region
+            # left by a killed server names its owner.
+            f"--backend-config=python,shm-region-prefix-name={self.shm_region_prefix}",
         ]
 
     def _check_ports_free(self) -> None:
@@ -213,17 +251,10 @@ class TritonServer:
             if not self.is_running():
                 code = self.process.returncode if self.process else None
                 raise TritonStartError(f"tritonserver exited with code {code}:\n{self.log_tail()}")
-            if self._answers_ok("/v2/health/ready") and self._answers_ok(f"/v2/models/{MODEL_NAME}/ready"):
+            if all(answers_ok(self.http_url + path) for path in ("/v2/health/ready", f"/v2/models/{MODEL_NAME}/ready")):
                 return
             time.sleep(0.5)
         raise TritonStartError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def _answers_ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(self.http_url + path, timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
 
     def on_unexpected_exit(self, callback: Callable[[int], None]) -> None:
         """Call `callback(returncode)` from a watcher thread if the process ends without stop() being called."""
@@ -250,14 +281,7 @@ class TritonServer:
             self.process.wait()
 
     def log_tail(self, lines: int = 40) -> str:
-        """The last lines of the server log, without blank lines and table borders (Triton's startup tables
-        would otherwise push the interesting lines out)."""
-        try:
-            with open(self.log_path, errors="replace") as log:
-                kept = (line for line in log if line.strip() and not line.startswith("+"))
-                return "".join(deque(kept, maxlen=lines))
-        except FileNotFoundError:
-            return ""
+        return log_tail(self.log_path, lines)
 
     def __enter__(self) -> "TritonServer":
         self.start()

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from prometheus_client.metrics_core import Metric
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -14,6 +15,7 @@ from openai_adapter.auth import api_key_dependency
 from openai_adapter.chat import ChatService
 from openai_adapter.completions import CompletionService
 from openai_adapter.concurrency import cancel_on_disconnect
+from openai_adapter.engine_metrics import read_engine_metrics, relayed, sglang_loads
 from openai_adapter.errors import install_exception_handlers, model_not_found, service_unavailable
 from openai_adapter.limits import check_limits, read_body
 from openai_adapter.metrics import AdapterMetrics, MetricsMiddleware
@@ -87,6 +89,15 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, request.app.state.chat)
 
+    async def engine_metrics() -> list[Metric] | None:
+        """Triton's metric families; None when unknown (no --triton-metrics-url) or unreachable."""
+        if settings.triton_metrics_url is None:
+            return None
+        try:
+            return await read_engine_metrics(settings.triton_metrics_url)
+        except OSError:  # Triton is down: /health says so
+            return None
+
     @v1.get("/models", responses=error_responses(401) if with_auth else None)
     async def list_models() -> ModelList:
         """The base model, then each LoRA adapter as `<base>:<adapter>` (what `model` accepts)."""
@@ -100,6 +111,14 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             raise model_not_found(model)
         return card
 
+    # SGLang's load report, which gateways (SMG) poll for load-aware routing; one entry per engine instance.
+    @v1.get("/loads", include_in_schema=False)
+    async def loads() -> dict:
+        families = await engine_metrics()
+        if families is None:
+            raise service_unavailable("The engines' metrics cannot be read (is --triton-metrics-url set?).")
+        return sglang_loads(families)
+
     app.include_router(v1)
 
     @app.get("/health", responses=error_responses(503))
@@ -112,7 +131,7 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     # Outside /v1, so a Prometheus scraper needs no API key.
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:
-        return metrics.response()
+        return metrics.response(relayed(await engine_metrics() or []))
 
     return app
 

@@ -1,10 +1,12 @@
-"""The adapter's own Prometheus metrics (requests by route and status, latency, in flight), served at /metrics.
+"""The adapter's own Prometheus metrics (requests by route and status, latency, in flight), served at /metrics
+beside the engines' load gauges relayed from Triton (openai_adapter/engine_metrics.py).
 
 Measured by an ASGI middleware, so a streamed response counts until its last byte, not until its headers."""
 
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -31,8 +33,20 @@ class AdapterMetrics:
             "tritonllm_adapter_requests_in_flight", "HTTP requests being served", registry=self.registry
         )
 
-    def response(self) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+    def response(self, relayed: list[Metric] = ()) -> Response:
+        """The adapter's metrics, then the `relayed` families (read from elsewhere) as they are."""
+        text = generate_latest(self.registry) + generate_latest(_Families(relayed))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
+class _Families:
+    """A collector of families already read (what generate_latest renders)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return list(self.families)
 
 
 class MetricsMiddleware:

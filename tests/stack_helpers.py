@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -154,6 +155,46 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # a process that just ended
+            continue
+    return children
+
+
+def descendant_pids(pid: int) -> list[int]:
+    children = child_pids(pid)
+    return children + [grandchild for child in children for grandchild in descendant_pids(child)]
+
+
+def command_line(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def free_port_range(count: int) -> int:
+    """The first of `count` consecutive ports free right now."""
+    for base in random.Random().sample(range(20000, 60000, 100), 50):
+        try:
+            sockets = []
+            for port in range(base, base + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
 
 
 def metric(stack, name: str) -> float:

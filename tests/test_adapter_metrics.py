@@ -1,8 +1,13 @@
-"""The adapter's /metrics: Prometheus text, open without the API key, counting requests by route and status."""
+"""The adapter's /metrics: Prometheus text, open without the API key, counting requests by route and status, and
+relaying the engines' load gauges; /v1/loads: the same load in SGLang's shape, for gateways."""
 
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from fastapi.testclient import TestClient
 
@@ -38,3 +43,83 @@ def test_metrics_count_requests_by_route_and_status():
     assert _sample(text, "tritonllm_adapter_request_duration_seconds_count", route=route) == 2
     # The /metrics request itself is the one in flight.
     assert re.search(r"^tritonllm_adapter_requests_in_flight 1\.0$", text, re.MULTILINE)
+
+
+# Two engine instances, as tritonserver's metrics endpoint shows them (abridged).
+TRITON_METRICS = """\
+# HELP nv_inference_count Number of inferences performed
+# TYPE nv_inference_count counter
+nv_inference_count{model="llm",version="1"} 7
+# HELP tritonllm:num_requests_running Sequences in the running batch
+# TYPE tritonllm:num_requests_running gauge
+tritonllm:num_requests_running{instance="llm_0_1",model="llm",version="1"} 1
+tritonllm:num_requests_running{instance="llm_0_0",model="llm",version="1"} 3
+# HELP tritonllm:num_requests_waiting Sequences waiting for admission
+# TYPE tritonllm:num_requests_waiting gauge
+tritonllm:num_requests_waiting{instance="llm_0_1",model="llm",version="1"} 0
+tritonllm:num_requests_waiting{instance="llm_0_0",model="llm",version="1"} 2
+# HELP tritonllm:kv_cache_usage Fraction of KV cache blocks held by sequences
+# TYPE tritonllm:kv_cache_usage gauge
+tritonllm:kv_cache_usage{instance="llm_0_1",model="llm",version="1"} 0.125
+tritonllm:kv_cache_usage{instance="llm_0_0",model="llm",version="1"} 0.5
+# HELP tritonllm:prefix_cache_hit_rate Prompt tokens served from the prefix cache
+# TYPE tritonllm:prefix_cache_hit_rate gauge
+tritonllm:prefix_cache_hit_rate{instance="llm_0_1",model="llm",version="1"} 0.25
+tritonllm:prefix_cache_hit_rate{instance="llm_0_0",model="llm",version="1"} 0
+"""
+
+
+@contextmanager
+def _triton_metrics_endpoint(text: str) -> Iterator[str]:
+    """A stand-in for tritonserver's metrics port."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _settings(metrics_url: str) -> AdapterSettings:
+    return AdapterSettings(served_model_name="m", triton_url=f"127.0.0.1:{free_ports(1)[0]}",
+                           triton_metrics_url=metrics_url, request_timeout_s=5, health_timeout_s=0.5)
+
+
+def test_metrics_relay_the_engines_load_under_their_own_names():
+    with _triton_metrics_endpoint(TRITON_METRICS) as url, TestClient(create_app(_settings(url))) as client:
+        text = client.get("/metrics").text
+    for name, instance, value in [("tritonllm:num_requests_running", "llm_0_0", 3),
+                                  ("tritonllm:num_requests_waiting", "llm_0_0", 2),
+                                  ("tritonllm:kv_cache_usage", "llm_0_1", 0.125)]:
+        assert _sample(text, name, instance=instance, model="llm") == value
+    assert "nv_inference_count" not in text and "prefix_cache_hit_rate" not in text  # load only
+
+
+def test_loads_answer_in_sglangs_shape_one_entry_per_engine_instance():
+    """What SMG polls (GET /v1/loads) for load-aware routing and overload protection."""
+    with _triton_metrics_endpoint(TRITON_METRICS) as url, TestClient(create_app(_settings(url))) as client:
+        loads = client.get("/v1/loads", params={"include": "core"}).json()
+    assert loads["dp_rank_count"] == 2
+    assert loads["loads"] == [
+        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 2, "token_usage": 0.5, "cache_hit_rate": 0.0},
+        {"dp_rank": 1, "num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.125, "cache_hit_rate": 0.25},
+    ]
+
+
+def test_without_triton_metrics_loads_are_unavailable_and_metrics_still_answer():
+    with TestClient(create_app(_settings(f"http://127.0.0.1:{free_ports(1)[0]}/metrics"))) as client:
+        assert client.get("/v1/loads").status_code == 503
+        response = client.get("/metrics")
+    assert response.status_code == 200 and "tritonllm_adapter_requests_total" in response.text
+    assert "tritonllm:num_requests_running" not in response.text

@@ -1,4 +1,5 @@
-"""docker-compose.yml: its wiring checked from the YAML always, and `docker compose config` where the plugin exists."""
+"""docker-compose.yml and docker-compose.scale.yml: their wiring checked from the YAML always, and `docker compose
+config` where the plugin exists."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 COMPOSE_FILE = Path(__file__).resolve().parent.parent / "docker-compose.yml"
+SCALE_FILE = COMPOSE_FILE.with_name("docker-compose.scale.yml")
 
 
 def _compose_plugin_available() -> bool:
@@ -17,16 +20,17 @@ def _compose_plugin_available() -> bool:
     return docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
 
 
-def test_compose_file_is_valid_where_docker_compose_exists():
+@pytest.mark.parametrize("compose_file", [COMPOSE_FILE, SCALE_FILE], ids=lambda path: path.name)
+def test_compose_file_is_valid_where_docker_compose_exists(compose_file):
     if not _compose_plugin_available():
         return  # the YAML checks below still run; only Compose's own validation needs the plugin
-    result = subprocess.run(["docker", "compose", "-f", str(COMPOSE_FILE), "config", "--quiet"],
-                            cwd=COMPOSE_FILE.parent, capture_output=True, text=True)
+    result = subprocess.run(["docker", "compose", "-f", str(compose_file), "config", "--quiet"],
+                            cwd=compose_file.parent, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
-def _services() -> dict:
-    return yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+def _services(compose_file: Path = COMPOSE_FILE) -> dict:
+    return yaml.safe_load(compose_file.read_text())["services"]
 
 
 def test_triton_service_wiring():
@@ -59,3 +63,37 @@ def test_lora_dir_reaches_the_engine_and_the_adapter():
     assert services["triton"]["environment"]["TRITONLLM_LORA_DIR"] == "${LORA_DIR:+/adapters}"
     command = " ".join(services["adapter"]["command"])
     assert "${LORA_DIR:+--lora-dir /adapters}" in command and "--triton-metrics-url http://triton:8002/metrics" in command
+
+
+# --- docker-compose.scale.yml: stacks behind the SMG gateway ------------------------------------------------------
+
+def _stacks() -> dict:
+    return {name: service for name, service in _services(SCALE_FILE).items() if name.startswith("stack")}
+
+
+def test_each_stack_runs_serve_pinned_to_its_own_gpu():
+    stacks = _stacks()
+    assert len(stacks) >= 2
+    gpus = []
+    for service in stacks.values():
+        assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d{2}\.\d{2}-py3", service["image"])
+        [device] = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and "count" not in device
+        gpus += device["device_ids"]
+        command = " ".join(service["command"])
+        assert "tritonllm serve --host 0.0.0.0 --port 9000" in command
+        assert ":9000/health" in " ".join(service["healthcheck"]["test"])
+        assert "ports" not in service, "only the gateway is published"
+        assert service["restart"] == "unless-stopped"
+    assert len(set(gpus)) == len(gpus) == len(stacks), "each stack on a GPU of its own"
+
+
+def test_the_gateway_alone_is_published_and_routes_over_every_stack():
+    gateway = _services(SCALE_FILE)["gateway"]
+    assert gateway["ports"] == ["9000:9000"]
+    command = " ".join(gateway["command"])
+    assert "tritonllm gateway --host 0.0.0.0 --port 9000" in command and "[adapter,gateway]" in command
+    [worker_urls] = re.findall(r"--worker-urls (\S+)", command)
+    stacks = _stacks()
+    assert worker_urls.split(",") == [f"http://{name}:9000" for name in stacks]
+    assert gateway["depends_on"] == {name: {"condition": "service_healthy"} for name in stacks}

@@ -18,10 +18,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from backend import launcher, model_files
-from backend.config import EngineConfig
+from backend.config import EngineConfig, InstanceGroup
+from backend.interface import settings
 from backend.interface import tensors
 from stack_helpers import free_ports
-from tritonllm import cli
+from tritonllm import cli, scale_out
+from tritonllm.gateway import GatewaySettings, gateway_command
 
 # --- config.pbtxt parameters ---------------------------------------------------------------------------------
 
@@ -84,6 +86,40 @@ def test_write_model_repository(tmp_path):
     model_py = repository / "llm" / "1" / "model.py"
     assert model_py.is_symlink() and model_py.resolve() == (source / "llm" / "1" / "model.py").resolve()
     assert _parameters((repository / "llm" / "config.pbtxt").read_text())["kv_cache_memory"] == "64MiB"
+
+
+def _instance_group(config_text: str) -> str:
+    [line] = [line for line in config_text.splitlines() if line.startswith("instance_group")]
+    return line
+
+
+def test_instance_group_is_written_from_its_declaration(tmp_path):
+    """The checked-in entry is the declared default; --instances and --gpus rewrite it."""
+    source = (launcher.SOURCE_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    assert _instance_group(source) == InstanceGroup().to_pbtxt() == "instance_group [{ count: 1, kind: KIND_MODEL }]"
+    for instances, expected in [
+        (InstanceGroup(instances=2), "instance_group [{ count: 2, kind: KIND_MODEL }]"),
+        (InstanceGroup(gpus="0,1"), "instance_group [{ count: 1, kind: KIND_GPU, gpus: [ 0, 1 ] }]"),
+    ]:
+        repository = launcher.write_model_repository(tmp_path / "repo", {}, instances)
+        assert _instance_group((repository / "llm" / "config.pbtxt").read_text()) == expected
+
+
+@pytest.mark.parametrize("option, value", [("--instances", "0"), ("--gpus", "0,0"), ("--gpus", "cuda:0")])
+def test_instance_group_options_refuse_what_triton_cannot_place(option, value):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", option, value])
+    assert cli.build_parser().parse_args(["serve", "--gpus", " 2, 3"]).gpus == "2,3"
+
+
+def test_each_tritonserver_names_its_own_shared_memory_regions(tmp_path):
+    """Python-backend stubs of two tritonservers on one host must not share /dev/shm regions."""
+    commands = [launcher.TritonServer(tmp_path, tmp_path, grpc_port=port, tritonserver=Path("/bin/true"))
+                ._command(tmp_path) for port in (8001, 9001)]
+    options = [[arg for arg in command if arg.startswith("--backend-config=python,shm-region-prefix-name=")]
+               for command in commands]
+    assert options == [["--backend-config=python,shm-region-prefix-name=tritonllm_8001_"],
+                       ["--backend-config=python,shm-region-prefix-name=tritonllm_9001_"]]
 
 
 # --- tritonserver discovery and environment ---------------------------------------------------------------------
@@ -207,6 +243,40 @@ def test_write_repository_command(tmp_path):
     parameters = _parameters((tmp_path / "repo" / "llm" / "config.pbtxt").read_text())
     assert parameters["model_path"] == str(model_dir.resolve())
     assert parameters["max_num_seqs"] == "4"
+
+
+def test_options_reach_child_commands_through_the_environment(monkeypatch):
+    """What scale-out gives each stack: the same engine and adapter settings, secrets off the command line."""
+    args = cli.build_parser().parse_args(["scale-out", "--kv-cache-memory", "128MiB", "--enable-prefix-caching",
+                                          "false", "--instances", "2", "--api-key", "sk-secret"])
+    env = {**settings.to_env(EngineConfig, args), **settings.to_env(InstanceGroup, args),
+           **settings.to_env(cli.AdapterSettings, args)}
+    assert "TRITONLLM_MAX_TOKENS" not in env  # unset stays unset
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    child = cli.build_parser().parse_args(["serve"])
+    assert (child.kv_cache_memory, child.enable_prefix_caching, child.instances, child.api_key) == (
+        128 << 20, False, 2, "sk-secret")
+
+
+def test_scale_out_places_each_stack_on_its_ports_state_dir_and_gpu(tmp_path):
+    places = scale_out.stack_places(scale_out.ScaleOutSettings(stacks=2, first_stack_port=9100, stack_gpus="2,3"),
+                                    tmp_path)
+    assert [(p.ports, p.state_dir, p.gpu, p.url) for p in places] == [
+        ((9100, 9101, 9102, 9103), tmp_path / "stack0", "2", "http://127.0.0.1:9100"),
+        ((9104, 9105, 9106, 9107), tmp_path / "stack1", "3", "http://127.0.0.1:9104")]
+    with pytest.raises(scale_out.FleetError, match="one per stack"):
+        scale_out.stack_places(scale_out.ScaleOutSettings(stacks=3, stack_gpus="0,1"), tmp_path)
+
+
+def test_gateway_command_routes_over_the_stacks_with_the_declared_defaults():
+    args = cli.build_parser().parse_args(["gateway", "--worker-urls", "http://a:9000, http://b:9000", "--policy",
+                                          "random", "--api-key", "sk-key"])
+    command = gateway_command(settings.from_options(GatewaySettings, args), args.api_key)
+    assert command[:4] == [sys.executable, "-m", "smg", "launch"]
+    text = " ".join(command)
+    assert "--worker-urls http://a:9000 http://b:9000 --policy random" in text
+    assert GatewaySettings().options in text and text.endswith("--api-key sk-key")
 
 
 def test_cli_reports_a_bad_model_path(tmp_path):

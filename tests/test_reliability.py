@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stack_helpers import REPO_ROOT, free_ports
+from stack_helpers import REPO_ROOT, child_pids, free_ports
 
 from backend import launcher
 from backend.model_files import served_model_name
@@ -82,17 +82,6 @@ def triton_and_adapter(default_model_dir: Path, tmp_path: Path) -> Iterator[tupl
         server.stop()
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry.name))
-        except (OSError, IndexError, ValueError):  # a process that just ended
-            continue
-    return children
-
-
 def _wait_gone(pids: list[int], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while any(Path(f"/proc/{pid}").exists() for pid in pids):
@@ -105,7 +94,7 @@ def test_adapter_fails_fast_while_triton_is_down_and_recovers_without_restart(tr
     _wait_for_status(f"{root_url}/health", 200, timeout=30)
     assert _completion(f"{root_url}/v1", model).status_code == 200
 
-    stubs = _children(server.process.pid)  # the Python backend stub running our engine
+    stubs = child_pids(server.process.pid)  # the Python backend stub running our engine
     assert stubs
     server.process.kill()  # tritonserver dies hard, idle; its stub must not outlive it
     server.process.wait()
@@ -128,7 +117,7 @@ def test_adapter_fails_fast_while_triton_is_down_and_recovers_without_restart(tr
 def test_the_engine_process_dies_with_tritonserver_killed_mid_generation(triton_and_adapter):
     server, root_url, model = triton_and_adapter
     _wait_for_status(f"{root_url}/health", 200, timeout=30)
-    stubs = _children(server.process.pid)
+    stubs = child_pids(server.process.pid)
     assert stubs
 
     async def long_streams(started: asyncio.Event) -> list:

@@ -1,6 +1,8 @@
 """The `tritonllm` console script: `prepare` converts the default model once; `serve` runs tritonserver with
-the `llm` model and the OpenAI-compatible adapter in front of it, and stops both together; `write-repository`
-only writes the model repository, for a tritonserver run some other way (docker-compose.yml)."""
+the `llm` model and the OpenAI-compatible adapter in front of it, and stops both together; `gateway` runs the
+SMG gateway over stacks (tritonllm/gateway.py); `scale-out` runs several stacks behind one and stops them all
+together (tritonllm/scale_out.py); `write-repository` only writes the model repository, for a tritonserver run
+some other way (docker-compose.yml)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import time
 from pathlib import Path
 
 from backend import launcher, model_files
-from backend.config import EngineConfig
+from backend.config import EngineConfig, InstanceGroup
 from backend.interface import settings
 from backend.interface.settings import setting
 from openai_adapter.settings import AdapterSettings
+from tritonllm.gateway import GatewaySettings, gateway_command
+from tritonllm.scale_out import Fleet, FleetError, ScaleOutSettings
 
 log = logging.getLogger("tritonllm")
 
@@ -27,6 +31,10 @@ READY_TIMEOUT_S = 600  # generous: a large model loading on a slow host
 
 # AdapterSettings that `serve` fills in itself (from where it starts tritonserver and what it serves).
 _DERIVED_ADAPTER_SETTINGS = ("triton_url", "triton_model", "lora_dir", "triton_metrics_url")
+# ServeSettings that `scale-out` decides for each stack.
+_STACK_PLACE_SETTINGS = ("host", "port", "triton_host", "http_port", "grpc_port", "metrics_port")
+# The one AdapterSettings the gateway needs too: the stacks' API key.
+_ALL_BUT_API_KEY = tuple(field.name for field in settings.settings_fields(AdapterSettings) if field.name != "api_key")
 
 
 class _Stop(Exception):
@@ -57,13 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run tritonserver and the OpenAI-compatible adapter")
     settings.add_options(serve, EngineConfig)
+    settings.add_options(serve, InstanceGroup)
     settings.add_options(serve, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
     settings.add_options(serve, ServeSettings)
+
+    gateway = commands.add_parser("gateway", help="run the SMG gateway in front of stacks (smg launch)")
+    settings.add_options(gateway, GatewaySettings)
+    settings.add_options(gateway, AdapterSettings, exclude=_ALL_BUT_API_KEY)
+
+    scale = commands.add_parser("scale-out", help="run several serve stacks behind an SMG gateway, stopped together")
+    settings.add_options(scale, ScaleOutSettings)
+    settings.add_options(scale, GatewaySettings, exclude=("worker_urls",))
+    settings.add_options(scale, ServeSettings, exclude=_STACK_PLACE_SETTINGS)
+    settings.add_options(scale, EngineConfig)
+    settings.add_options(scale, InstanceGroup)
+    settings.add_options(scale, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
 
     repository = commands.add_parser(
         "write-repository", help="write a model repository for running tritonserver yourself (e.g. in NGC)")
     repository.add_argument("repository", type=Path, help="folder to write llm/ into")
     settings.add_options(repository, EngineConfig)
+    settings.add_options(repository, InstanceGroup)
     return parser
 
 
@@ -74,7 +96,7 @@ def _write_repository(args: argparse.Namespace, repository: Path) -> str:
     log.info("model at %s", model_dir)
     # tritonserver runs elsewhere: paths go absolute
     config = settings.from_options(EngineConfig, args, model_path=str(model_dir), lora_dir=_lora_dir(args.lora_dir))
-    launcher.write_model_repository(repository, config.to_strings())
+    launcher.write_model_repository(repository, config.to_strings(), settings.from_options(InstanceGroup, args))
     return model_files.served_model_name(model_dir)
 
 
@@ -157,6 +179,40 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def gateway(args: argparse.Namespace) -> int:
+    command = gateway_command(settings.from_options(GatewaySettings, args), args.api_key)
+    log.info("gateway: smg --policy %s on http://%s:%d/v1 over %s", args.policy, args.host, args.port,
+             args.worker_urls)
+    os.execv(command[0], command)  # becomes smg: its signals, its exit code
+
+
+def scale_out(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    # Resolved (the default model converted) once here, not by each stack in turn.
+    log.info("preparing model…")
+    args.model_path = str(model_files.resolve_model_path(args.model_path))
+    args.lora_dir = _lora_dir(args.lora_dir)
+    # Every stack gets the same engine and adapter options, through its environment.
+    stack_env = {**settings.to_env(EngineConfig, args), **settings.to_env(InstanceGroup, args),
+                 **settings.to_env(AdapterSettings, args)}
+    fleet = None
+    try:
+        fleet = Fleet(settings.from_options(ScaleOutSettings, args), settings.from_options(GatewaySettings, args),
+                      _state_dir(args.state_dir), stack_env, args.log_level, args.api_key)
+        fleet.start()
+        fleet.supervise()
+    except _Stop as stop:
+        log.info("stopping (%s)", stop)
+        return 0
+    except FleetError as error:
+        log.error("%s", error)
+        return 1
+    finally:
+        if fleet is not None:
+            fleet.stop()
+
+
 def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_name: str) -> None:
     from openai_adapter.app import run
 
@@ -173,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local files; never reach for the hub
-    commands = {"prepare": prepare, "serve": serve, "write-repository": write_repository}
+    commands = {"prepare": prepare, "serve": serve, "gateway": gateway, "scale-out": scale_out,
+                "write-repository": write_repository}
     try:
         return commands[args.command](args)
     except (FileNotFoundError, ValueError) as error:  # a bad --model or a missing tritonserver

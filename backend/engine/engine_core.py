@@ -55,6 +55,11 @@ class EngineStats:
     loaded_loras: tuple[str, ...]
     unfinished_requests: int
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV blocks that sequences hold (blocks kept only as cached prefixes count as free)."""
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: set[int]):

@@ -83,6 +83,8 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path):
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # kernels launch on the current device: make it this engine's GPU
         self.block_size = config.block_size
         self.model, self.weight_format = load_model(config, model_dir, self.device)
         self.dtype = self.model.embed_tokens.weight.dtype

@@ -7,6 +7,8 @@ GAUGES = {
     "waiting": ("tritonllm:num_requests_waiting", "Sequences waiting for admission"),
     "free_blocks": ("tritonllm:kv_cache_free_blocks", "Free blocks of the paged KV cache"),
     "total_blocks": ("tritonllm:kv_cache_total_blocks", "Blocks of the paged KV cache"),
+    "kv_cache_usage": ("tritonllm:kv_cache_usage",
+                       "Fraction of KV cache blocks held by sequences, 0 to 1 (cached prefixes kept for reuse count as free)"),
     "prefix_cache_hit_rate": ("tritonllm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"),
     # a constant, published for the adapter's /v1/models
     "max_model_len": ("tritonllm:max_model_len", "Most tokens (prompt + output) one request may hold"),

@@ -1,7 +1,7 @@
 """Settings declared once, as dataclass fields made with `setting`: each becomes a command-line option with
 its `TRITONLLM_<NAME>` environment variable and help (`add_options`), and a field of the settings object
 (`from_options`). Engine settings also travel as Triton model parameters (strings; `from_strings`,
-`to_strings`)."""
+`to_strings`), and options pass on to child commands as environment variables (`to_env`)."""
 
 from __future__ import annotations
 
@@ -80,8 +80,16 @@ def from_strings(cls: type, values: dict[str, str]):
     return cls(**kwargs)
 
 
-def to_strings(settings) -> dict[str, str]:
-    def text(value: Any) -> str:
-        return "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+def _text(value: Any) -> str:
+    return "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
-    return {field.name: text(getattr(settings, field.name)) for field in settings_fields(type(settings))}
+
+def to_strings(settings) -> dict[str, str]:
+    return {field.name: _text(getattr(settings, field.name)) for field in settings_fields(type(settings))}
+
+
+def to_env(cls: type, args: argparse.Namespace) -> dict[str, str]:
+    """The `TRITONLLM_*` variables that give a child command the option values of `args` (those of cls it has;
+    unset ones left out). Through the environment, secrets stay off command lines."""
+    return {env_name(field): _text(getattr(args, field.name)) for field in settings_fields(cls)
+            if getattr(args, field.name, None) is not None}

@@ -10,6 +10,7 @@ The responder owns every response sender: it registers new requests, sends, poll
 metrics. No other thread touches a sender, and nothing touches one after its final response (tritonserver
 crashes in TRITONBACKEND_ResponseFactoryIsCancelled otherwise). Other threads reach it through its mailbox."""
 
+import dataclasses
 import json
 import logging
 import queue
@@ -66,8 +67,14 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("the llm model must use the decoupled transaction policy")
         parameters = {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
-        self.metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
-        self.parts = EngineParts.create(EngineConfig.from_strings(parameters))
+        config = EngineConfig.from_strings(parameters)
+        if args["model_instance_kind"] == "GPU":  # instance_group KIND_GPU: Triton chose this engine's GPU
+            config = dataclasses.replace(config, device=f"cuda:{args['model_instance_device_id']}")
+        # Each instance is its own engine: its metrics carry its instance name (e.g. llm_0_1).
+        self.metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"],
+                                                "instance": args["model_instance_name"]})
+        log.info("engine instance %s starting on %s", args["model_instance_name"], config.device)
+        self.parts = EngineParts.create(config)
         self.inputs = self.parts.inputs  # used on Triton's thread only
         self.outputs = self.parts.outputs  # used on the responder thread only
         self.mailbox = queue.SimpleQueue()  # callables run on the responder thread; None stops it
