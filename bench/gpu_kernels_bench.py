@@ -6,13 +6,13 @@ with the kernels on and off (TRITONLLM_FORCE_KERNELS=0: the torch path).
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+import kernels
 from backend.config import EngineConfig
 from backend.llm_engine import LLMEngine
 from gpu_engine_check import decode_rate, random_checkpoint  # bench/ is the script's directory
@@ -104,11 +104,11 @@ def bench_engine(config_dir: Path) -> None:
     engine = LLMEngine(EngineConfig(model_path=str(random_checkpoint(config_dir)), dtype="bfloat16",
                                     kv_cache_memory=4 << 30))
     for mode, label in (("", "kernels"), ("0", "torch path")):
-        os.environ["TRITONLLM_FORCE_KERNELS"] = mode
+        kernels.force(mode)
         for batch in (1, 64):
             decode_rate(engine, batch, tokens=8)  # warm-up (and Triton compilation)
             print(f"engine bf16 decode, batch {batch:>2}, {label:<10}: {decode_rate(engine, batch, tokens=64):7.0f} tokens/s")
-    os.environ.pop("TRITONLLM_FORCE_KERNELS")
+    kernels.force("")
 
 
 def main() -> None:

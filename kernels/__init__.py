@@ -1,8 +1,9 @@
 """The engine's one entry point to its custom ops.
 
 Each op runs its OpenAI-Triton kernel when the tensors are on CUDA, else its torch reference (the CPU path).
-TRITONLLM_FORCE_KERNELS overrides that per call: 1 = always the kernels (on CPU that needs TRITON_INTERPRET=1 set
-before this package is imported, as the tests do), 0 = always the references (to compare on CUDA)."""
+`force` overrides that (initially TRITONLLM_FORCE_KERNELS, read at import): "1" = always the kernels (on CPU that
+needs TRITON_INTERPRET=1 set before this package is imported, as the tests do), "0" = always the references (to
+compare on CUDA)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,19 @@ from kernels.sampling import (apply_logit_bias_reference, apply_logit_bias_trito
                               filter_probs_reference, filter_probs_triton)
 
 
+_forced = os.environ.get("TRITONLLM_FORCE_KERNELS", "")  # not read per call: ops run hundreds of times a step
+
+
+def force(mode: str) -> None:
+    """"1": the kernels everywhere, "0": the references everywhere, "": by device."""
+    global _forced
+    _forced = mode
+
+
 def _dispatch(kernel: Callable, reference: Callable) -> Callable:
     """An op choosing per call by the device of its first tensor argument."""
     def op(first: torch.Tensor, *args, **kwargs):
-        forced = os.environ.get("TRITONLLM_FORCE_KERNELS", "")
-        chosen = kernel if (forced == "1" or first.is_cuda and forced != "0") else reference
+        chosen = kernel if (_forced == "1" or first.is_cuda and _forced != "0") else reference
         return chosen(first, *args, **kwargs)
 
     op.__name__ = reference.__name__.removesuffix("_reference")
@@ -47,6 +56,6 @@ apply_token_bitmask = _dispatch(apply_token_bitmask_triton, apply_token_bitmask_
 filter_probs = _dispatch(filter_probs_triton, filter_probs_reference)
 lora_delta = _dispatch(lora_delta_triton, lora_delta_reference)
 
-__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
+__all__ = ["force", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
            "prefill_attention", "apply_penalties", "apply_logit_bias", "apply_token_bitmask", "filter_probs",
            "lora_delta"]

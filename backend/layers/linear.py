@@ -91,11 +91,11 @@ class OneDNNProjection(Projection):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(bias)
-        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.linear = torch.ops.mkldnn._linear_pointwise.default  # the overload, resolved once (not per call)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return self.linear(x, self.packed, None, "none", [], "")
 
 
 class Int8Projection(Projection):
