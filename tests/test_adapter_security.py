@@ -61,6 +61,13 @@ def test_the_right_key_passes_and_health_stays_open(client):
 def test_no_key_configured_means_no_auth():
     with _client() as open_client:
         assert open_client.get("/v1/models").status_code == 200
+        assert open_client.get(f"/v1/models/{MODEL}").status_code == 200
+        # the generation routes pass authentication too: they reach Triton, which is down
+        for route, body in (("/v1/completions", {"prompt": "Hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+            _error(open_client.post(route, json={"model": MODEL, **body}), 503)
+            _error(open_client.post(route, json={"model": MODEL, **body},
+                                    headers={"Authorization": "Bearer anything"}), 503)
 
 
 def test_oversized_body_is_413_by_content_length(client):

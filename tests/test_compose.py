@@ -20,10 +20,11 @@ def _compose_plugin_available() -> bool:
     return docker is not None and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
 
 
+@pytest.mark.skipif(not _compose_plugin_available(),
+                    reason="the docker compose plugin is not installed here: Compose's own validation cannot run "
+                           "(the wiring tests below read the YAML and run everywhere)")
 @pytest.mark.parametrize("compose_file", [COMPOSE_FILE, SCALE_FILE], ids=lambda path: path.name)
-def test_compose_file_is_valid_where_docker_compose_exists(compose_file):
-    if not _compose_plugin_available():
-        return  # the YAML checks below still run; only Compose's own validation needs the plugin
+def test_compose_config_accepts_the_file(compose_file):
     result = subprocess.run(["docker", "compose", "-f", str(compose_file), "config", "--quiet"],
                             cwd=compose_file.parent, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

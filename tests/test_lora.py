@@ -84,7 +84,9 @@ def test_prefix_cache_is_not_shared_across_adapters(engine):
     def cached(p) -> int:
         return generate(engine, [LONG_PROMPT], p)[0].outputs[-1].num_cached_tokens
 
-    assert cached(SamplingParams(max_tokens=1)) >= 0
+    base = SamplingParams(max_tokens=1)
+    cached(base)
+    assert cached(base) > 0  # the base model's KV of the prompt is cached, and reused by the base
     assert cached(params["alpha"]) == 0
     assert cached(params["alpha"]) > 0  # the same adapter reuses its own KV
     assert cached(params["beta"]) == 0

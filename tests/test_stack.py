@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -146,14 +147,27 @@ def test_tritonclient_streaming_and_non_streaming(stack, client):
     ({"max_tokens": 10**6}, "context length"),
 ])
 def test_tritonclient_bad_parameters_fail_alone(stack, params, message):
-    responses, error = grpc_generate(stack, PROMPT, params, stream=True)
-    assert responses == [] and message in str(error)
-    good, error = grpc_generate(stack, PROMPT, {"max_tokens": 2}, stream=True)
-    assert error is None and good
+    good_params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    [expected], error = grpc_generate(stack, PROMPT, good_params, stream=False)
+    assert error is None
+    with ThreadPoolExecutor(3) as pool:  # the bad request arrives while two good ones are generating
+        goods = [pool.submit(grpc_generate, stack, PROMPT, good_params, stream=True) for _ in range(2)]
+        time.sleep(0.3)
+        bad = pool.submit(grpc_generate, stack, PROMPT, params, stream=True)
+        responses, error = bad.result()
+        assert responses == [] and message in str(error)
+        assert not all(good.done() for good in goods), "the good requests ended before the bad one was sent"
+        for good in goods:
+            streamed, error = good.result()
+            assert error is None
+            assert PROMPT + "".join(r.as_numpy("text_output")[0].decode() for r in streamed) == \
+                expected.as_numpy("text_output")[0].decode()
 
 
 def test_client_disconnects_free_every_kv_block(stack):
     """Streams dropped mid-generation and non-streaming clients that time out are cancelled in the engine."""
+    wait_until_idle(stack)
+    generated_before = metric(stack, "tritonllm:generation_tokens_total")
     body = {"model": stack.model_name, "prompt": "Write a very long story about a dragon.", "max_tokens": 400,
             "temperature": 0.7, "ignore_eos": True}
     for _ in range(3):
@@ -165,18 +179,26 @@ def test_client_disconnects_free_every_kv_block(stack):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{stack.base_url}/completions", json=body, timeout=1.5)
     wait_until_idle(stack)
-    assert metric(stack, "tritonllm:generation_tokens_total") < 5 * 400
+    generated = metric(stack, "tritonllm:generation_tokens_total") - generated_before
+    assert 0 < generated < 400, generated  # all five together made less than one of them asked for
 
 
-def test_engine_metrics_are_exported(stack, client):
-    before = metric(stack, "tritonllm:time_to_first_token_seconds_count")
-    client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=5, temperature=0, stream=False)
-    deadline = time.monotonic() + 5
-    while metric(stack, "tritonllm:time_to_first_token_seconds_count") < before + 1:
-        assert time.monotonic() < deadline
+def test_engine_metrics_count_one_request_exactly(stack, client):
+    counters = {"tritonllm:time_to_first_token_seconds_count": 1,  # one request of 5 tokens:
+                "tritonllm:inter_token_latency_seconds_count": 4,  # 1 first token, 4 gaps, 5 tokens
+                "tritonllm:generation_tokens_total": 5}
+    wait_until_idle(stack)  # nothing of earlier tests still counting
+    before = {name: metric(stack, name) for name in counters}
+    client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=5, temperature=0, stream=False,
+                              extra_body={"ignore_eos": True})
+
+    def moved() -> dict:
+        return {name: metric(stack, name) - before[name] for name in counters}
+
+    deadline = time.monotonic() + 30  # observations are published by the engine's metrics poll
+    while moved() != counters and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert metric(stack, "tritonllm:inter_token_latency_seconds_count") >= 4
-    assert metric(stack, "tritonllm:generation_tokens_total") >= 5
+    assert moved() == counters
     assert metric(stack, "tritonllm:kv_cache_total_blocks") > 0
 
 

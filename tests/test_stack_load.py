@@ -35,24 +35,27 @@ def test_shared_prefix_is_served_from_the_cache(stack):
 
 
 async def _stream(client: httpx.AsyncClient, stack, max_tokens: int, drop_after: int | None = None) -> tuple:
-    """Start a streaming completion; returns (status, seconds to the status, Retry-After, outcome): the error
-    body, "dropped", or the finish reasons seen."""
+    """Start a streaming completion; returns (status, when it ended (time.monotonic()), Retry-After, outcome): the
+    error body, "dropped", or the finish reasons seen."""
     body = {"model": stack.model_name, "prompt": "Tell me about the ocean.", "max_tokens": max_tokens,
             "temperature": 0.8, "ignore_eos": True, "stream": True}
-    start = time.monotonic()
     async with client.stream("POST", f"{stack.base_url}/completions", json=body) as response:
-        answered = time.monotonic() - start
         if response.status_code != 200:
             await response.aread()
-            return response.status_code, answered, response.headers.get("retry-after"), response.json()
+            return response.status_code, time.monotonic(), response.headers.get("retry-after"), response.json()
         chunks, finish_reasons = 0, []
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks += 1
                 finish_reasons += [c["finish_reason"] for c in json.loads(line[6:])["choices"] if c["finish_reason"]]
                 if drop_after is not None and chunks >= drop_after:
-                    return 200, answered, None, "dropped"  # leaving the block closes the connection
-        return 200, answered, None, finish_reasons
+                    return 200, time.monotonic(), None, "dropped"  # leaving the block closes the connection
+        return 200, time.monotonic(), None, finish_reasons
+
+
+def _is_capacity_refusal(status: int, retry_after: str | None, body) -> bool:
+    return (status == 503 and retry_after is not None and isinstance(body, dict)
+            and "capacity" in body["error"]["message"])
 
 
 def test_over_the_queue_limit_requests_get_503_at_once_and_earlier_ones_finish(stack):
@@ -63,12 +66,12 @@ def test_over_the_queue_limit_requests_get_503_at_once_and_earlier_ones_finish(s
     results = asyncio.run(burst())
     refused = [r for r in results if r[0] == 503]
     served = [r for r in results if r[0] == 200]
+    assert len(refused) + len(served) == len(results), [r for r in results if r[0] not in (200, 503)]
     assert refused and len(served) >= STACK_MAX_NUM_SEQS
-    assert len(served) <= 40 - len(refused)
-    for _, seconds, retry_after, body in refused:
-        assert seconds < 3 and retry_after is not None
-        assert body["error"]["type"] and "capacity" in body["error"]["message"]
+    assert all(_is_capacity_refusal(status, retry_after, body) for status, _, retry_after, body in refused)
     assert all(finish_reasons == ["length"] for _, _, _, finish_reasons in served)
+    # at once: every refusal came before the first admitted stream had its 24 tokens (not after waiting for room)
+    assert max(ended for _, ended, _, _ in refused) < min(ended for _, ended, _, _ in served)
     wait_until_idle(stack)
 
 
@@ -84,7 +87,11 @@ def test_two_hundred_dropped_streams_leave_no_blocks_behind(stack):
             return outcomes
 
     outcomes = asyncio.run(drops())
-    assert sum(1 for status, *_ in outcomes if status == 200) >= 190  # a rare 503 when a wave outruns aborts
+    dropped = [outcome for status, _, _, outcome in outcomes if status == 200]
+    # a wave can outrun the aborts of the one before and meet a full engine: those few are refused, nothing else
+    assert all(status == 200 or _is_capacity_refusal(status, retry_after, body)
+               for status, _, retry_after, body in outcomes)
+    assert dropped == ["dropped"] * len(dropped) and len(dropped) >= len(outcomes) // 2
     wait_until_idle(stack)
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
     after = client.completions.create(model=stack.model_name, prompt="The capital of France is", max_tokens=4,

@@ -56,12 +56,19 @@ def test_routed_experts_match_transformers_router(client, moe_stack, mixtral_dir
 
 
 def test_routed_experts_stream_with_their_tokens_in_chat(client, moe_stack):
-    chunks = list(client.chat.completions.create(
-        model=moe_stack.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=MAX_TOKENS,
-        stream=True, stream_options={"include_usage": True},
-        extra_body={"return_routed_experts": True, "ignore_eos": True}))
-    rows = [row for chunk in chunks if chunk.choices for row in chunk.model_extra["sglext"]["routed_experts"][0]]
-    assert len(rows) == chunks[-1].usage.completion_tokens == MAX_TOKENS
-    assert all(torch.tensor(row).shape == (LAYERS, TOP_K) for row in rows)
+    request = dict(model=moe_stack.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=MAX_TOKENS,
+                   temperature=0, logprobs=True, extra_body={"return_routed_experts": True, "ignore_eos": True})
+    whole = client.chat.completions.create(**request)
+    [expected] = whole.model_extra["sglext"]["routed_experts"]  # one row per token (checked against transformers above)
+    assert torch.tensor(expected).shape == (MAX_TOKENS, LAYERS, TOP_K)
+    chunks = [chunk for chunk in client.chat.completions.create(**request, stream=True) if chunk.choices]
+    streamed_tokens = 0
+    for chunk in chunks:
+        [rows] = chunk.model_extra["sglext"]["routed_experts"]
+        tokens = len(chunk.choices[0].logprobs.content) if chunk.choices[0].logprobs else 0
+        # each chunk carries the routing of exactly the tokens it carries, in order
+        assert rows == expected[streamed_tokens:streamed_tokens + tokens]
+        streamed_tokens += tokens
+    assert streamed_tokens == MAX_TOKENS
     plain = client.completions.create(model=moe_stack.model_name, prompt=PROMPT, max_tokens=2)
     assert "sglext" not in plain.model_extra

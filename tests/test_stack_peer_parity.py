@@ -174,6 +174,8 @@ def test_null_inside_stream_options_means_the_default(stack):
     ("chat/completions", "continue_final_message", True),
     ("chat/completions", "chat_template", "{{ messages[0].content }}"),
     ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
+    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat/completions", "tool_choice", "required"),
 ])
 def test_unsupported_non_neutral_parameters_are_400_not_ignored(stack, route, field, value):
     prompt = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
