@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import regex
 import torch
-from llguidance import LLMatcher
 
 from backend.config import EngineConfig
 from backend.engine import structured_output
@@ -182,28 +181,45 @@ def test_aborting_a_request_while_its_grammar_compiles(engine):
 
 
 def test_bitmask_marks_exactly_the_tokens_the_matcher_allows(engine):
-    """The filler's rows agree with llguidance's own per-token answer; unconstrained rows allow everything; a
-    request's allowed_token_ids narrow its grammar's."""
+    """At every state of a regex, from the start to a complete match, the filler's row holds exactly the tokens
+    llguidance's own mask allows, and exactly the tokens whose text keeps the output a prefix of a match (EOS once it
+    is a match), found by brute force over the vocabulary; unconstrained rows allow everything; a request's
+    allowed_token_ids narrow its grammar's."""
+    pattern = regex.compile(r"[0-9]{1,3}-[a-z]+")  # states with allowed sets of 1 to thousands of tokens
+    tokenizer, vocab_size = engine.tokenizer, engine.vocab_size
+
     def row(grammar=None, allowed_token_ids=()):  # what fill reads of a sequence
-        allowed = structured_output.allowed_tokens_bitmask(list(allowed_token_ids), engine.vocab_size) \
+        allowed = structured_output.allowed_tokens_bitmask(list(allowed_token_ids), vocab_size) \
             if allowed_token_ids else None
         return SimpleNamespace(grammar=grammar, request=SimpleNamespace(allowed_tokens=allowed))
 
     def allowed_of(words: torch.Tensor) -> list[int]:
-        bits = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:engine.vocab_size]
+        bits = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab_size]
         return bits.nonzero().flatten().tolist()
 
-    tokenizer = engine.tokenizer
+    texts = [tokenizer.decode([t]) for t in range(vocab_size)]
+
+    def continuing(output: str) -> list[int]:
+        """Every token after which the output can still become a match (partial=True), EOS when it is one."""
+        allowed = {t for t, text in enumerate(texts) if pattern.fullmatch(output + text, partial=True)}
+        return sorted(allowed | engine.core.eos_token_ids if pattern.fullmatch(output) else allowed)
+
+    compiled = engine.parts.grammars.compile("regex", pattern.pattern).result()
+    match = tokenizer.encode("123-ab")
+    sizes = []
+    for consumed in range(len(match) + 1):
+        matcher = compiled.deep_copy()
+        assert matcher.consume_tokens(match[:consumed])
+        unconstrained, constrained = engine.core.sampler.bitmasks.fill([row(), row(matcher)])
+        assert bool((unconstrained == -1).all())
+        allowed = allowed_of(constrained)
+        assert allowed == allowed_of(torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32))
+        assert allowed == continuing(tokenizer.decode(match[:consumed]))
+        sizes.append(len(allowed))
+    # the states differ: the ten digits, then also "-", then "-" alone, then thousands of letter tokens, then also EOS
+    assert sizes[:4] == [10, 11, 11, 1] and sizes[4] > 1000 and sizes[5] == sizes[4] + 1, sizes
+
     seven, letter = tokenizer.convert_tokens_to_ids("7"), tokenizer.convert_tokens_to_ids("a")
-    compiled = engine.parts.grammars.compile("regex", r"[0-9]+").result()
-    matcher = compiled.deep_copy()
-    bitmask = engine.core.sampler.bitmasks.fill([row(), row(matcher), row(compiled.deep_copy(), [seven, letter]),
-                                                 row(None, [letter])])
-    assert bitmask.shape == (4, structured_output.bitmask_words(engine.vocab_size))
-    assert bool((bitmask[0] == -1).all())
-    allowed = allowed_of(bitmask[1])
-    assert allowed and all(tokenizer.decode([t]).isdigit() for t in allowed)
-    assert min(engine.core.eos_token_ids) not in allowed  # nothing matched yet: the grammar does not accept
-    assert seven in allowed
-    assert allowed_of(bitmask[2]) == [seven] and allowed_of(bitmask[3]) == [letter]
-    assert isinstance(matcher, LLMatcher)
+    narrowed = engine.core.sampler.bitmasks.fill([row(compiled.deep_copy(), [seven, letter]), row(None, [letter])])
+    assert narrowed.shape == (2, structured_output.bitmask_words(vocab_size))
+    assert allowed_of(narrowed[0]) == [seven] and allowed_of(narrowed[1]) == [letter]
