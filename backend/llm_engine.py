@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from backend.config import EngineConfig
 from backend.engine.engine_core import EngineCore, EngineStats
@@ -28,11 +29,14 @@ class EngineParts:
     grammars: GrammarCompiler
 
     @classmethod
-    def create(cls, config: EngineConfig) -> "EngineParts":
+    def create(cls, config: EngineConfig,
+               start_core: Callable[[Callable[[], EngineCore]], EngineCore] = lambda build: build()) -> "EngineParts":
+        """`start_core` builds the core where it will run (by default right here; the Triton model: its CoreLoop's
+        thread, see backend/engine/core_loop.py)."""
         model_dir = resolve_model_path(config.model_path)
         tokenizer = load_tokenizer(model_dir)
         eos = eos_token_ids(model_dir, tokenizer)
-        core = EngineCore(config, model_dir, eos)
+        core = start_core(lambda: EngineCore(config, model_dir, eos))
         grammars = GrammarCompiler(load_tokenizer(model_dir), core.limits.vocab_size, eos)
         return cls(model_dir, core, InputProcessor(config, core.limits, tokenizer, grammars),
                    OutputProcessor(load_tokenizer(model_dir)), grammars)

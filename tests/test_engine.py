@@ -267,7 +267,8 @@ def test_a_request_failing_in_its_own_processing_fails_alone(engine, monkeypatch
 
 def test_core_loop_shutdown_aborts_what_does_not_finish_in_time(engine):
     outputs = []
-    loop = CoreLoop(engine.core, outputs.extend)
+    loop = CoreLoop(outputs.extend)
+    loop.start(lambda: engine.core)
     loop.submit(engine.inputs.process("long", "Tell me a story.", SamplingParams(max_tokens=500, ignore_eos=True)))
     while not outputs:
         time.sleep(0.01)

@@ -1,7 +1,11 @@
 """Runs the `EngineCore` on its own thread, so Triton's execute() returns at once and request processing never
 waits for a step, nor a step for request processing.
 
-The loop thread owns the core: nothing else reads or changes it. `submit` and `abort` may be called from any
+The loop thread owns the core, and builds it too (`start`): every torch op of the process then runs on this one
+thread. A second thread that ever ran a parallel op (e.g. loading the model) keeps an OpenMP team of its own,
+and with more OpenMP threads than cores libgomp throttles its spin-waits, so this thread's workers sleep
+between the hundreds of parallel ops of a step and each op waits for them to wake (measured: +8-10 ms a
+decode step on 2 cores). Nothing else reads or changes the core. `submit` and `abort` may be called from any
 thread: they only enqueue messages that the loop applies between steps. Each step's outputs go to one sink
 (`on_outputs`, called on the loop thread). Other threads see the core through `stats`, an immutable snapshot
 the loop publishes after each step."""
@@ -24,20 +28,40 @@ _STATS_LOG_INTERVAL_S = 10.0
 
 
 class CoreLoop:
-    def __init__(self, core: EngineCore, on_outputs: Callable[[list[CoreOutput]], None]):
-        self.core = core
-        self.max_queue_len = core.config.max_queue_len
+    def __init__(self, on_outputs: Callable[[list[CoreOutput]], None]):
         self._on_outputs = on_outputs
         # ("add", CoreRequest) | ("abort", (request_id, sequence indices or None)) | ("abort_all", None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._num_queued = 0  # submitted, not yet handed to the core; guarded by _lock
-        self.stats: EngineStats = core.stats()  # replaced (never mutated) by the loop thread, under _lock
+        self.stats: EngineStats | None = None  # replaced (never mutated) by the loop thread, under _lock
         self._wakeup = threading.Event()
-        core.on_grammar_ready = self._wakeup.set
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tritonllm-core", daemon=True)
+        self._thread: threading.Thread | None = None
+
+    def start(self, build_core: Callable[[], EngineCore]) -> EngineCore:
+        """Build the core on the loop's thread and start looping; returns the core once built (for its immutable
+        `limits`: the core itself belongs to the loop). Raises what the build raised."""
+        built: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._build_and_run, args=(build_core, built), name="tritonllm-core",
+                                        daemon=True)
         self._thread.start()
+        core = built.get()
+        if isinstance(core, BaseException):
+            raise core
+        return core
+
+    def _build_and_run(self, build_core: Callable[[], EngineCore], built: queue.SimpleQueue) -> None:
+        try:
+            self.core = build_core()
+            self.max_queue_len = self.core.config.max_queue_len
+            self.core.on_grammar_ready = self._wakeup.set
+            self._publish_stats()
+        except BaseException as exc:  # handed to start(), which raises it on the caller's thread
+            built.put(exc)
+            return
+        built.put(self.core)
+        self._run()
 
     def submit(self, request: CoreRequest) -> None:
         """Queue a request; its outputs reach on_outputs. Raises Overloaded when max_queue_len requests wait."""

@@ -74,13 +74,12 @@ class TritonPythonModel:
         self.metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"],
                                                 "instance": args["model_instance_name"]})
         log.info("engine instance %s starting on %s", args["model_instance_name"], config.device)
-        self.parts = EngineParts.create(config)
-        self.inputs = self.parts.inputs  # used on Triton's thread only
-        self.outputs = self.parts.outputs  # used on the responder thread only
         self.mailbox = queue.SimpleQueue()  # callables run on the responder thread; None stops it
         self.in_flight: dict[str, _InFlight] = {}  # owned by the responder thread
-        self.core = CoreLoop(self.parts.core, on_outputs=lambda outputs: self.mailbox.put(
-            lambda: self._on_core_outputs(outputs)))
+        self.core = CoreLoop(on_outputs=lambda outputs: self.mailbox.put(lambda: self._on_core_outputs(outputs)))
+        self.parts = EngineParts.create(config, start_core=self.core.start)  # the core is built on its own thread
+        self.inputs = self.parts.inputs  # used on Triton's thread only
+        self.outputs = self.parts.outputs  # used on the responder thread only
         self.responder = threading.Thread(target=self._respond, name="tritonllm-responder", daemon=True)
         self.responder.start()
 
