@@ -14,9 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +24,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from backend.launcher import answers_ok, log_tail
 from backend.model_files import served_model_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -47,22 +45,6 @@ class Stack:
     model_name: str  # the served model name for the `model` field
     state_dir: Path  # runtime repository, tritonserver.log and serve.log
     lora_dir: Path | None  # the LoRA adapters directory it serves, if any
-
-
-def _tail(path: Path, lines: int = 60) -> str:
-    try:
-        with open(path, errors="replace") as file:
-            return "".join(deque(file, maxlen=lines))
-    except FileNotFoundError:
-        return "(no log)"
-
-
-def _answers_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 class StackProcess:
@@ -95,7 +77,7 @@ class StackProcess:
                                             stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         deadline = time.monotonic() + STACK_START_TIMEOUT_S
         health = self.stack.base_url.removesuffix("/v1") + "/health"
-        while not _answers_ok(health):
+        while not answers_ok(health):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 problem = f"exited with {self.process.returncode}" if self.process.poll() is not None else "timed out"
                 self.stop()
@@ -105,11 +87,11 @@ class StackProcess:
     def alive(self) -> bool:
         """`tritonllm serve` runs and its tritonserver answers (serve exits soon after tritonserver dies)."""
         return (self.process is not None and self.process.poll() is None
-                and _answers_ok(f"http://{self.stack.http_url}/v2/health/live"))
+                and answers_ok(f"http://{self.stack.http_url}/v2/health/live"))
 
     def logs(self) -> str:
-        return (f"serve.log tail:\n{_tail(self.state_dir / 'serve.log')}\n"
-                f"tritonserver.log tail:\n{_tail(self.state_dir / 'tritonserver.log')}")
+        return (f"serve.log tail:\n{log_tail(self.state_dir / 'serve.log', 60)}\n"
+                f"tritonserver.log tail:\n{log_tail(self.state_dir / 'tritonserver.log', 60)}")
 
     def stop(self) -> None:
         if self.process is None:
