@@ -9,20 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM as HFLlama
 
-from backend.layers.attention import AttentionMetadata, PrefillChunk
 from backend.models.llama import LlamaForCausalLM
+from engine_helpers import prefill_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived"]
-
-
-def prefill_logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one prompt, computed in one prefill through the paged attention path."""
-    arch, n = model.arch, len(token_ids)
-    shape = (n, 1, arch.num_kv_heads, arch.head_dim)  # n blocks of one token
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
-    positions = torch.arange(n)
-    meta = AttentionMetadata(positions, 0, None, None, [PrefillChunk(0, n, n, positions)])
-    return model.compute_logits(model(torch.tensor(token_ids), positions, meta, caches))
 
 
 @pytest.fixture(scope="module")

@@ -11,28 +11,15 @@ from backend.config import EngineConfig
 from backend.engine.model_runner import load_model
 from backend.interface.parameters import SamplingParams
 from backend.layers import linear
-from backend.layers.attention import AttentionMetadata, PrefillChunk
 from backend.llm_engine import LLMEngine
 from backend.models.llama import LlamaForCausalLM, read_q4_1_blocks
-from engine_helpers import generate
+from engine_helpers import generate, prefill_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
 # max |Δlogit| against float32 (logits span about ±27 here): bf16 activations round every layer's input to an
 # 8-bit mantissa; int8 re-quantizes the 4-bit weights per output channel; int4 with fp32 activations computes
 # with exactly the checkpoint's weights.
 LOGIT_TOLERANCE = {"bfloat16": 2.0, "int8": 2.5, "int4": {torch.float32: 1e-3, torch.bfloat16: 2.0}}
-
-
-def _prompt_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, from one prefill."""
-    dtype, tokens = model.embed_tokens.weight.dtype, len(token_ids)
-    blocks = -(-tokens // 16)
-    caches = [(torch.zeros(blocks, 16, model.arch.num_kv_heads, model.arch.head_dim, dtype=dtype),
-               torch.zeros(blocks, 16, model.arch.num_kv_heads, model.arch.head_dim, dtype=dtype))
-              for _ in range(model.arch.num_layers)]
-    meta = AttentionMetadata(slot_mapping=torch.arange(tokens), num_decode_tokens=0, decode_block_tables=None,
-                             decode_context_lens=None, prefills=[PrefillChunk(0, tokens, tokens, torch.arange(blocks))])
-    return model.compute_logits(model(torch.tensor(token_ids), torch.arange(tokens), meta, caches))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +42,7 @@ def test_logits_stay_close_to_float32(weight_format, reference, tokenizer_ids, d
     if isinstance(tolerance, dict):
         tolerance = tolerance[model.embed_tokens.weight.dtype]
     for ids in tokenizer_ids:
-        ours, expected = _prompt_logits(model, ids), _prompt_logits(reference, ids)
+        ours, expected = prefill_logits(model, ids), prefill_logits(reference, ids)
         difference = (ours - expected).abs().max().item()
         print(f"{description}: max |Δlogit| {difference:.2e} over {len(ids)} positions")
         assert difference <= tolerance
