@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -146,8 +147,6 @@ def _write_hf_model(gguf_path: Path, out_dir: Path) -> None:
 def _write_q4_1_blocks(gguf_path: Path, out_dir: Path) -> None:
     """Save a llama GGUF's Q4_1 projections as (q, d, m) under their HF names, each checked to dequantize to
     exactly the dense weight just saved; a tensor that does not is left out (it then runs dequantized)."""
-    import json
-
     import gguf
     import numpy as np
     import torch
