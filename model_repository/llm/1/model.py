@@ -11,6 +11,7 @@ metrics. No other thread touches a sender, and nothing touches one after its fin
 crashes in TRITONBACKEND_ResponseFactoryIsCancelled otherwise). Other threads reach it through its mailbox."""
 
 import dataclasses
+import gc
 import json
 import logging
 import queue
@@ -35,6 +36,9 @@ from backend.triton_metrics import EngineMetrics, LatencyTracker
 log = logging.getLogger("tritonllm.model")
 
 _POLL_INTERVAL_S = 0.5  # cancellation of requests and metrics
+_RESPONDER_STOP_TIMEOUT_S = 10.0
+_CANCELLED = "the request was cancelled"
+_SHUT_DOWN = "the server is shutting down: the request was cancelled"
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -76,6 +80,7 @@ class TritonPythonModel:
         log.info("engine instance %s starting on %s", args["model_instance_name"], config.device)
         self.mailbox = queue.SimpleQueue()  # callables run on the responder thread; None stops it
         self.in_flight: dict[str, _InFlight] = {}  # owned by the responder thread
+        self.abort_message = _CANCELLED  # what an aborted request is told; the responder's
         self.core = CoreLoop(on_outputs=lambda outputs: self.mailbox.put(lambda: self._on_core_outputs(outputs)))
         self.parts = EngineParts.create(config, start_core=self.core.start)  # the core is built on its own thread
         self.inputs = self.parts.inputs  # used on Triton's thread only
@@ -154,7 +159,7 @@ class TritonPythonModel:
             self._finish(output.request_id, output.error)
             return
         if output.finished and any(c.finish_reason == "abort" for c in output.choices):
-            self._finish(output.request_id, Cancelled("the request was cancelled"))
+            self._finish(output.request_id, Cancelled(self.abort_message))
             return
         tensors = entry.builder.on_output(output)
         if tensors is None:
@@ -191,12 +196,31 @@ class TritonPythonModel:
             if entry.sender.is_cancelled():
                 log.info("request %s was cancelled by the client; aborting", request_id)
                 self.core.abort(request_id)
-                self._finish(request_id, Cancelled("the request was cancelled"))
+                self._finish(request_id, Cancelled(_CANCELLED))
         self.metrics.update(self.core.stats)
 
+    def _on_shutdown(self):
+        self.abort_message = _SHUT_DOWN
+
     def finalize(self):
+        """Triton calls this once it sends no more requests, and the stub tears itself down right after: every
+        request gets its final response and our threads stop before this returns; then the Triton objects we hold
+        are released while the stub can still take them back."""
         log.info("finalizing: finishing or aborting the requests in flight")
-        self.core.shutdown()
+        self.mailbox.put(self._on_shutdown)
+        self.core.shutdown()  # the requests that do not finish in time are aborted: their outputs reach the mailbox
         self.parts.grammars.shutdown()
         self.mailbox.put(None)
-        self.responder.join(timeout=10)
+        self.responder.join(timeout=_RESPONDER_STOP_TIMEOUT_S)
+        if self.responder.is_alive():  # stuck in a send: its senders and metrics stay its own
+            log.error("the responder did not stop within %.0f s; finalizing without it", _RESPONDER_STOP_TIMEOUT_S)
+            return
+        # The responder is gone, so this thread owns the senders now: a request the core never answered (its
+        # thread stuck in a step) still gets its final response.
+        for request_id in list(self.in_flight):
+            self._finish(request_id, Cancelled(_SHUT_DOWN))
+        # The 24.10 stub frees what the model still holds only after its own state, and a custom metric freed then
+        # segfaults it (Metric::Clear on a null shared-memory pool; fixed upstream in python_backend PR #429).
+        self.metrics = None
+        gc.collect()
+        log.info("finalized: every request answered, threads stopped, metrics released")
