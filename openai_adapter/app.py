@@ -15,8 +15,10 @@ from openai_adapter.auth import api_key_dependency
 from openai_adapter.chat import ChatService
 from openai_adapter.completions import CompletionService
 from openai_adapter.concurrency import cancel_on_disconnect
+from openai_adapter.deadlines import request_deadline, stream_within, within
 from openai_adapter.engine_metrics import read_engine_metrics, relayed, sglang_loads
 from openai_adapter.errors import install_exception_handlers, model_not_found, service_unavailable
+from openai_adapter.head import HeadAsGet
 from openai_adapter.limits import check_limits, read_body
 from openai_adapter.metrics import AdapterMetrics, MetricsMiddleware
 from openai_adapter.models import model_cards
@@ -34,6 +36,7 @@ from openai_adapter.protocol import (
 )
 from openai_adapter.sse import completion_events
 from openai_adapter.settings import AdapterSettings
+from openai_adapter.shutdown import CANCELLED_EXIT_S, Drain, DrainingServer, shutting_down
 from openai_adapter.triton_client import TritonClient
 
 
@@ -55,6 +58,10 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
     install_exception_handlers(app)
     install_request_components(app)
+    # Outermost last: metrics see every request (HEAD and refusals while draining included) as the client sent it.
+    app.add_middleware(HeadAsGet)
+    app.state.drain = Drain(settings.shutdown_grace_s)
+    app.add_middleware(app.state.drain.middleware)
     metrics = AdapterMetrics()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     with_auth = settings.api_key is not None
@@ -65,10 +72,11 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         request: Request, model: type[GenerationRequest], service: CompletionService | ChatService
     ) -> Response:
         # Parsed by hand (not as a FastAPI body parameter) so every malformed body gets an OpenAI-format 400.
+        deadline_s = request_deadline(request.headers, settings)
         generation_request = parse_request(await read_body(request, settings.max_body_bytes), model)
         check_limits(generation_request, settings)
         if generation_request.stream:
-            chunks = service.stream(generation_request)
+            chunks = stream_within(service.stream(generation_request), deadline_s)
             # Wait for the first chunk before answering 200, so that refusals and Triton failures at the
             # start still get a proper HTTP error status.
             first = await cancel_on_disconnect(anext(chunks), request.is_disconnected)
@@ -76,7 +84,8 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             # Starlette cancels the streaming task when the client disconnects; closing the generator
             # afterwards also covers a generator that was suspended between chunks at that moment.
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
-        completion = await cancel_on_disconnect(service.complete(generation_request), request.is_disconnected)
+        completion = await cancel_on_disconnect(within(service.complete(generation_request), deadline_s),
+                                                request.is_disconnected)
         return Response(completion.model_dump_json(), media_type="application/json")
 
     @v1.post("/completions", **generation_route_docs(CompletionRequest, CompletionResponse, CompletionResponse,
@@ -137,7 +146,14 @@ def create_app(settings: AdapterSettings) -> FastAPI:
 
 
 def run(settings: AdapterSettings, host: str, port: int, log_level: str) -> None:
-    """Serve the adapter until interrupted."""
+    """Serve the adapter until interrupted; the first SIGINT/SIGTERM drains it first (openai_adapter/shutdown.py)."""
     # uvicorn configures only its own loggers; this gives the adapter's warnings a format and a handler.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    app = create_app(settings)
+
+    async def drain() -> None:
+        await app.state.drain.run(cancel_rest=lambda: app.state.triton.cancel_all(shutting_down()))
+
+    # Drained, no connection should be left; one that is gets closed this much later.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=CANCELLED_EXIT_S)
+    DrainingServer(config, drain).run()

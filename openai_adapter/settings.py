@@ -12,8 +12,14 @@ class AdapterSettings:
     """The model name clients must send; also the first entry of /v1/models."""
     triton_url: str = setting("127.0.0.1:8001", "tritonserver gRPC host:port")
     triton_model: str = setting("llm", "name of the Triton model")
-    request_timeout_s: float = setting(600.0, "deadline in seconds of one Triton call (a whole generation)",
-                                       option="request-timeout")
+    idle_timeout_s: float = setting(600.0, "seconds a Triton call may go without a response (no new token: 504)",
+                                    option="idle-timeout")
+    request_timeout_s: float | None = setting(None, "deadline in seconds of a whole generation request (504 beyond); "
+                                                    "unset: none. A request's X-Request-Timeout header may shorten "
+                                                    "it", option="request-timeout")
+    shutdown_grace_s: float = setting(30.0, "on SIGTERM, seconds the requests in flight may take to finish "
+                                            "before they are cancelled (new ones get 503 meanwhile)",
+                                      option="shutdown-grace")
     health_timeout_s: float = setting(2.0, "seconds /health may wait for Triton's readiness answers",
                                       option="health-timeout")
     api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on /v1 routes (unset: no auth)",

@@ -5,6 +5,9 @@ carries exactly one request: after it is written, our request iterator ends, whi
 and Triton closes the stream once that request has sent its last response. The end of the stream is
 therefore the end of the request. (The aio client cannot ask for Triton's empty final response: it rejects
 the reserved `triton_enable_empty_final_response` request parameter.)
+
+A call that goes `idle_timeout_s` without a response fails with 504: a generation may take as long as it keeps
+producing (a deadline on the whole request is the HTTP layer's: openai_adapter/deadlines.py).
 """
 
 import asyncio
@@ -85,6 +88,13 @@ class TritonClient:
     def __init__(self, settings: AdapterSettings) -> None:
         self._settings = settings
         self._client = InferenceServerClient(settings.triton_url, channel_args=_CHANNEL_ARGS)
+        self._refusal: AdapterError | None = None  # set by cancel_all: what every call gets from then on
+        self._cancelled = asyncio.Event()
+
+    def cancel_all(self, error: AdapterError) -> None:
+        """Fail every call in flight, and every later one, with `error` (their Triton requests are cancelled)."""
+        self._refusal = error
+        self._cancelled.set()
 
     async def close(self) -> None:
         await self._client.close()
@@ -114,9 +124,11 @@ class TritonClient:
     ) -> AsyncIterator[TritonChunk]:
         """Run one generation request, yielding each of the model's responses.
 
-        Raises AdapterError on an error response, a failed call or an exceeded request_timeout_s.
-        Closing the generator early cancels the request in Triton.
+        Raises AdapterError on an error response, a failed call, idle_timeout_s without a response, or after
+        cancel_all. Closing the generator early cancels the request in Triton.
         """
+        if self._refusal is not None:
+            raise self._refusal
         request = {
             "model_name": self._settings.triton_model,
             "inputs": _request_inputs(prompt, sampling_parameters, stream, return_logprobs),
@@ -126,9 +138,10 @@ class TritonClient:
         async def requests() -> AsyncIterator[dict]:
             yield request
 
-        responses = self._client.stream_infer(requests(), stream_timeout=self._settings.request_timeout_s)
+        responses = self._client.stream_infer(requests())
         try:
-            async for result, error in responses:
+            while (response := await self._next_response(responses)) is not None:
+                result, error = response
                 if error is not None:
                     raise _error_from_message(error.message())
                 yield _parse_response(result)
@@ -140,10 +153,29 @@ class TritonClient:
             # request.is_cancelled() turns true. It is a no-op when the stream has already ended.
             responses.cancel()
 
+    async def _next_response(self, responses) -> tuple | None:
+        """The call's next (result, error); None once it has ended. Raises the idle timeout's 504, or cancel_all's
+        error. (The read runs as a task of its own, so giving up on it cancels the gRPC call, not our caller.)"""
+        read = asyncio.ensure_future(anext(responses))
+        cancelled = asyncio.ensure_future(self._cancelled.wait())
+        try:
+            await asyncio.wait({read, cancelled}, timeout=self._settings.idle_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+            read.cancel()  # (no-op once done)
+        if read.done() and not read.cancelled():
+            try:
+                return read.result()
+            except StopAsyncIteration:
+                return None
+        if self._refusal is not None:
+            raise self._refusal
+        raise gateway_timeout(f"Triton sent nothing for {self._settings.idle_timeout_s} s (the idle timeout: "
+                              "no token for that long).")
+
     def _error_from_rpc(self, error: grpc.aio.AioRpcError) -> AdapterError:
         code = error.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return gateway_timeout(f"Triton did not finish the request within {self._settings.request_timeout_s} s.")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return service_unavailable(f"Triton at {self._settings.triton_url} is unavailable: {error.details()}")
         return internal_error(f"Triton call failed ({code.name}): {error.details()}")

@@ -1,0 +1,119 @@
+"""A stand-in tritonserver for adapter tests that need time to pass on a real gRPC stream (deadlines, shutdown):
+it answers readiness and streams `count` one-token responses of the `llm` model, `interval_s` apart, then a final
+one (finish_reason "length"); with `stall_after` it goes silent after that many tokens. The prompt (`text_input`)
+is that script as JSON. It records how each call ended: "completed", or "cancelled" by the client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+from stack_helpers import free_ports
+
+
+@dataclass(frozen=True)
+class Script:
+    count: int = 3
+    interval_s: float = 0.0
+    stall_after: int | None = None
+
+    def prompt(self) -> str:
+        return json.dumps({"count": self.count, "interval_s": self.interval_s, "stall_after": self.stall_after})
+
+
+def _tensor(name: str, datatype: str, value) -> tuple[service_pb2.ModelInferResponse.InferOutputTensor, bytes]:
+    if datatype == "BYTES":
+        raw = serialize_byte_tensor(np.array([value.encode()], dtype=np.object_)).item()
+    else:
+        raw = np.array([value], dtype=np.uint32).tobytes()
+    return service_pb2.ModelInferResponse.InferOutputTensor(name=name, datatype=datatype, shape=[1]), raw
+
+
+def _response(request_id: str, text: str, finish_reason: str, tokens: int) -> service_pb2.ModelStreamInferResponse:
+    tensors = [_tensor("text_output", "BYTES", text), _tensor("finish_reason", "BYTES", finish_reason),
+               _tensor("num_output_tokens", "UINT32", tokens), _tensor("num_input_tokens", "UINT32", 1)]
+    return service_pb2.ModelStreamInferResponse(infer_response=service_pb2.ModelInferResponse(
+        model_name="llm", id=request_id, outputs=[tensor for tensor, _ in tensors],
+        raw_output_contents=[raw for _, raw in tensors]))
+
+
+class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self) -> None:
+        self.outcomes: dict[str, str] = {}  # request id → how its call ended
+        self.lock = threading.Lock()
+
+    def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=True)
+
+    def ModelReady(self, request, context):
+        return service_pb2.ModelReadyResponse(ready=True)
+
+    def ModelStreamInfer(self, request_iterator, context):
+        for request in request_iterator:
+            [prompt] = [deserialize_bytes_tensor(raw)[0].decode()
+                        for tensor, raw in zip(request.inputs, request.raw_input_contents) if tensor.name == "text_input"]
+            script = Script(**json.loads(prompt))
+            for index in range(script.count):
+                if script.stall_after is not None and index >= script.stall_after:
+                    break
+                if not self._sleep(script.interval_s, context):
+                    self._record(request.id, "cancelled")
+                    return
+                yield _response(request.id, f" t{index}", "None", 1)
+            else:
+                self._record(request.id, "completed")
+                yield _response(request.id, "", "length", 0)
+                return
+            while context.is_active():  # stalled: silent until the client gives up
+                time.sleep(0.02)
+            self._record(request.id, "cancelled")
+            return
+
+    @staticmethod
+    def _sleep(seconds: float, context) -> bool:
+        """Sleep; False as soon as the client has cancelled the call."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not context.is_active():
+                return False
+            time.sleep(min(0.02, deadline - time.monotonic()))
+        return context.is_active()
+
+    def _record(self, request_id: str, outcome: str) -> None:
+        with self.lock:
+            self.outcomes[request_id] = outcome
+
+
+class FakeTriton:
+    """The stand-in on a free loopback port, until stop()."""
+
+    def __init__(self) -> None:
+        self.service = _Service()
+        [port] = free_ports(1)
+        self.url = f"127.0.0.1:{port}"
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.service, self._server)
+        self._server.add_insecure_port(self.url)
+        self._server.start()
+
+    def outcomes(self) -> list[str]:
+        with self.service.lock:
+            return list(self.service.outcomes.values())
+
+    def wait_for_outcomes(self, count: int, timeout: float = 10.0) -> list[str]:
+        """The calls' outcomes once `count` calls have ended."""
+        deadline = time.monotonic() + timeout
+        while len(self.outcomes()) < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.outcomes()
+
+    def stop(self) -> None:
+        self._server.stop(grace=None)

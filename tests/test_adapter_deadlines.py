@@ -1,0 +1,131 @@
+"""Deadlines that fit streaming (an idle timeout by default, a total deadline from the settings or the request's
+X-Request-Timeout header) and HEAD on the GET routes, against a stand-in Triton on a real gRPC stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fake_triton import FakeTriton, Script
+from openai_adapter import AdapterSettings, create_app
+from openai_adapter.deadlines import REQUEST_TIMEOUT_HEADER
+
+MODEL = "fake-model"
+
+
+@pytest.fixture(scope="module")
+def triton() -> Iterator[FakeTriton]:
+    fake = FakeTriton()
+    yield fake
+    fake.stop()
+
+
+def _client(triton: FakeTriton, **settings) -> TestClient:
+    return TestClient(create_app(AdapterSettings(served_model_name=MODEL, triton_url=triton.url, **settings)))
+
+
+def _body(script: Script, stream: bool = False) -> dict:
+    return {"model": MODEL, "prompt": script.prompt(), "max_tokens": 64, "stream": stream}
+
+
+def _events(client: TestClient, script: Script, headers: dict | None = None) -> list:
+    """The data of a streamed completion's events: parsed JSON, then "[DONE]"."""
+    with client.stream("POST", "/v1/completions", json=_body(script, stream=True), headers=headers) as response:
+        assert response.status_code == 200, response.read()
+        data = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    return [item if item == "[DONE]" else json.loads(item) for item in data]
+
+
+def _outcome_of_next_call(triton: FakeTriton, before: int) -> str:
+    return triton.wait_for_outcomes(before + 1)[before]
+
+
+# --- the idle timeout ---------------------------------------------------------------------------------------------
+
+def test_a_generation_that_keeps_producing_outlives_the_idle_timeout(triton):
+    """8 tokens 0.2 s apart take 1.6 s: three times the idle timeout, and not one gap reaches it."""
+    script = Script(count=8, interval_s=0.2)
+    with _client(triton, idle_timeout_s=0.5) as client:
+        response = client.post("/v1/completions", json=_body(script))
+        assert response.status_code == 200, response.text
+        [choice] = response.json()["choices"]
+        assert choice["text"] == "".join(f" t{i}" for i in range(8)) and choice["finish_reason"] == "length"
+        events = _events(client, script)
+    assert events[-1] == "[DONE]"
+    assert [event["choices"][0]["finish_reason"] for event in events[:-1]][-1] == "length"
+
+
+def test_silence_longer_than_the_idle_timeout_is_a_504_and_cancels_the_call(triton):
+    script = Script(count=5, interval_s=0.05, stall_after=2)
+    with _client(triton, idle_timeout_s=0.5) as client:
+        before = len(triton.outcomes())
+        response = client.post("/v1/completions", json=_body(script))
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["type"] == "timeout_error"
+        assert "idle timeout" in response.json()["error"]["message"]
+        assert _outcome_of_next_call(triton, before) == "cancelled"
+
+        events = _events(client, script)  # streamed: the tokens so far, then an error event
+        assert "".join(event["choices"][0]["text"] for event in events[:-2]) == " t0 t1"
+        assert events[-2]["error"]["type"] == "timeout_error" and events[-1] == "[DONE]"
+        assert _outcome_of_next_call(triton, before + 1) == "cancelled"
+
+
+# --- a deadline on the whole request: the server's and the request's own --------------------------------------
+
+SLOW = Script(count=10, interval_s=0.2)  # 2 s, producing all along
+
+
+def test_the_total_deadline_setting_ends_a_generation_that_is_still_producing(triton):
+    with _client(triton, idle_timeout_s=5, request_timeout_s=0.6) as client:
+        before = len(triton.outcomes())
+        response = client.post("/v1/completions", json=_body(SLOW))
+        assert response.status_code == 504, response.text
+        assert "deadline of 0.6 s" in response.json()["error"]["message"]
+        assert _outcome_of_next_call(triton, before) == "cancelled"
+        events = _events(client, SLOW)
+        assert 1 <= len(events) - 2 < SLOW.count  # some tokens, then the error event
+        assert events[-2]["error"]["type"] == "timeout_error"
+
+
+def test_a_request_may_shorten_the_deadline_with_its_header_never_lengthen_it(triton):
+    with _client(triton, idle_timeout_s=5) as client:
+        assert client.post("/v1/completions", json=_body(SLOW)).status_code == 200  # no deadline by default
+        short = client.post("/v1/completions", json=_body(SLOW), headers={REQUEST_TIMEOUT_HEADER: "0.6"})
+        assert short.status_code == 504 and "deadline of 0.6 s" in short.json()["error"]["message"]
+        events = _events(client, SLOW, headers={REQUEST_TIMEOUT_HEADER: "0.6"})
+        assert events[-2]["error"]["type"] == "timeout_error"
+        fast = client.post("/v1/completions", json=_body(Script(count=2)), headers={REQUEST_TIMEOUT_HEADER: "30"})
+        assert fast.status_code == 200, fast.text
+    with _client(triton, idle_timeout_s=5, request_timeout_s=0.6) as client:
+        longer = client.post("/v1/completions", json=_body(SLOW), headers={REQUEST_TIMEOUT_HEADER: "30"})
+        assert longer.status_code == 504 and "deadline of 0.6 s" in longer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "inf", "nan"])
+def test_a_malformed_request_timeout_header_is_a_400(triton, value):
+    with _client(triton) as client:
+        response = client.post("/v1/completions", json=_body(Script(count=1)), headers={REQUEST_TIMEOUT_HEADER: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == REQUEST_TIMEOUT_HEADER
+
+
+# --- HEAD -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", f"/v1/models/{MODEL}", "/metrics"])
+def test_head_answers_like_get_without_the_body(triton, path):
+    with _client(triton) as client:
+        get, head = client.get(path), client.head(path)
+    assert get.status_code == head.status_code == 200 and get.content
+    assert head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_head_on_a_post_route_is_still_refused(triton):
+    with _client(triton) as client:
+        response = client.head("/v1/completions")
+    assert response.status_code == 405 and response.content == b""
