@@ -1,0 +1,123 @@
+"""SIGTERM to `tritonllm serve`, through the whole stack: with streams in flight, and right after a burst of
+requests. Every client gets an answer (its completion, or an error event or a 503 that says the server is
+shutting down; none hangs), serve exits 0 within the grace period and a few seconds, no process of the stack is
+left, and the Python-backend stub exits cleanly: it gets through finalize, and the kernel logs no segfault of it
+(where the kernel log is readable)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stack_helpers import StackProcess, command_line, descendant_pids
+
+GRACE_S = 3
+STOP_MARGIN_S = 45  # tritonserver's exit (up to its 10 s exit timeout) and a busy 2-core host
+CLIENT_TIMEOUT_S = GRACE_S + STOP_MARGIN_S  # a client still waiting then is a hang
+WATCHDOG_EXIT_S = 5
+
+
+def _still_running(processes: dict[int, str]) -> list[str]:
+    """Those of `processes` alive (not zombies) after a few seconds: the watchdog notices its stub's exit within
+    its check interval."""
+    deadline = time.monotonic() + WATCHDOG_EXIT_S
+    while True:
+        alive = []
+        for pid, name in processes.items():
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(f"{pid} {name}")
+            except (OSError, IndexError):  # gone
+                continue
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _kernel_log() -> list[str] | None:
+    """The kernel log's lines, or None where this process may not read it."""
+    try:
+        result = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.splitlines() if result.returncode == 0 else None
+
+
+async def _request(client: httpx.AsyncClient, base_url: str, model: str, max_tokens: int, stream: bool,
+                   first_token: asyncio.Event | None = None) -> str:
+    """How one request ended: "completed", "error event: …", "HTTP 503: …"."""
+    body = {"model": model, "prompt": "Tell me a story about a lighthouse.", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": stream}
+    async with client.stream("POST", f"{base_url}/completions", json=body) as response:
+        if response.status_code != 200:
+            return f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+        if not stream:
+            await response.aread()
+            return "completed"
+        last = None
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if first_token is not None:
+                first_token.set()
+            if '"error"' in line:
+                return f"error event: {line[:300]}"
+            last = line
+    return "completed" if last == "data: [DONE]" else f"stream ended without [DONE] after {last!r}"
+
+
+def _answered(outcome: str) -> bool:
+    return outcome == "completed" or ("shutting down" in outcome and (
+        outcome.startswith("error event") or outcome.startswith("HTTP 503")))
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["streams-in-flight", "right-after-a-burst"])
+def test_sigterm_stops_the_stack_cleanly(default_model_dir: Path, tmp_path: Path, in_flight: bool):
+    stack = StackProcess(default_model_dir, tmp_path, ("--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
+                                                       "--shutdown-grace", str(GRACE_S)), None)
+    stack.start()
+    processes = {pid: Path(command_line(pid)[0]).name for pid in descendant_pids(stack.process.pid)}
+    [stub] = [pid for pid, name in processes.items() if name == "triton_python_backend_stub"]
+    assert len(processes) >= 3, processes  # tritonserver, its stub, the stub's watchdog
+    base_url, model = stack.stack.base_url, stack.stack.model_name
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S) as client:
+            burst = await asyncio.gather(*(_request(client, base_url, model, 8, stream=i % 2 == 0)
+                                           for i in range(12)))
+            streams = []
+            if in_flight:
+                started = [asyncio.Event() for _ in range(4)]
+                streams = [asyncio.create_task(_request(client, base_url, model, 400, True, event))
+                           for event in started]
+                await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
+            stack.process.send_signal(signal.SIGTERM)
+            return burst, list(await asyncio.gather(*streams))
+
+    signalled = time.monotonic()
+    try:
+        burst, streams = asyncio.run(scenario())
+        stack.process.wait(GRACE_S + STOP_MARGIN_S)
+    finally:
+        stack.stop()  # (a no-op once it has exited)
+    assert burst == ["completed"] * 12, stack.logs()
+    assert all(_answered(outcome) for outcome in streams), (streams, stack.logs())
+    if in_flight:  # 400 tokens do not fit in the grace period on a CPU: cancelled, and told why
+        assert any(outcome.startswith("error event") for outcome in streams), streams
+    assert stack.process.returncode == 0, stack.logs()
+    assert time.monotonic() - signalled < GRACE_S + STOP_MARGIN_S
+
+    left = _still_running(processes)
+    assert not left, f"still running after serve exited: {left}"
+    log = (tmp_path / "tritonserver.log").read_text()
+    assert "finalized: every request answered, threads stopped, metrics released" in log, stack.logs()
+    kernel_log = _kernel_log()
+    if kernel_log is not None:  # e.g. "triton_python_b[12677]: segfault at 60 ... in triton_python_backend_stub"
+        crashes = [line for line in kernel_log if f"triton_python_b[{stub}]" in line]
+        assert not crashes, crashes
