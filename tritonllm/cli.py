@@ -139,7 +139,9 @@ def write_repository(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     # Interrupt any blocking step (conversion, waiting for readiness) and unwind through `finally`. While the
-    # adapter runs, uvicorn handles these signals itself and re-raises them to us once it has shut down.
+    # adapter runs, it handles these signals itself: it drains (new requests 503, those in flight get
+    # --shutdown-grace to finish, then are cancelled) and re-raises the signal to us once it has stopped; only then
+    # is tritonserver stopped, with nothing left in flight.
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
     server_died = threading.Event()
