@@ -190,13 +190,22 @@ class TritonServer:
         self._stopping = threading.Event()
 
     @property
+    def local_host(self) -> str:
+        """Where this machine reaches the server: a wildcard bind address (every interface) on loopback."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{self.local_host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
         """host:port, the form tritonclient.grpc expects."""
-        return f"{self.host}:{self.grpc_port}"
+        return f"{self.local_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.local_host}:{self.metrics_port}/metrics"
 
     @property
     def shm_region_prefix(self) -> str:

@@ -58,8 +58,8 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def ModelStreamInfer(self, request_iterator, context):
         for request in request_iterator:
-            [prompt] = [deserialize_bytes_tensor(raw)[0].decode()
-                        for tensor, raw in zip(request.inputs, request.raw_input_contents) if tensor.name == "text_input"]
+            [prompt] = [deserialize_bytes_tensor(raw)[0].decode() for tensor, raw in
+                        zip(request.inputs, request.raw_input_contents) if tensor.name == "text_input"]
             script = Script(**json.loads(prompt))
             for index in range(script.count):
                 if script.stall_after is not None and index >= script.stall_after:

@@ -221,7 +221,7 @@ def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_
     adapter_settings = settings.from_options(
         AdapterSettings, args, triton_url=server.grpc_url, triton_model=launcher.MODEL_NAME,
         served_model_name=model_name, lora_dir=_lora_dir(args.lora_dir) or None,
-        triton_metrics_url=f"http://{server.host}:{server.metrics_port}/metrics")
+        triton_metrics_url=server.metrics_url)
     log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, model_name)
     run(adapter_settings, args.host, args.port, args.log_level)
 
