@@ -59,9 +59,9 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     install_exception_handlers(app)
     install_request_components(app)
     # Outermost last: metrics see every request (HEAD and refusals while draining included) as the client sent it.
-    app.add_middleware(HeadAsGet)
     app.state.drain = Drain(settings.shutdown_grace_s)
     app.add_middleware(app.state.drain.middleware)
+    app.add_middleware(HeadAsGet)
     metrics = AdapterMetrics()
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     with_auth = settings.api_key is not None
