@@ -66,11 +66,13 @@ def adapter(name: str) -> LoraAdapter:
 class PieceTokenizer:
     """Decodes like a byte-level BPE tokenizer: a token is a piece of UTF-8 bytes, text is their concatenation
     decoded with U+FFFD for incomplete characters. Pieces get ids as tests name them; `special` pieces are left
-    out of the text with skip_special_tokens."""
+    out of the text with skip_special_tokens. With strips_leading_space it decodes like SentencePiece, which
+    drops the space that begins a text (so a word decoded alone loses its space)."""
 
-    def __init__(self, special: tuple[str, ...] = ("<|eos|>",)):
+    def __init__(self, special: tuple[str, ...] = ("<|eos|>",), strips_leading_space: bool = False):
         self.pieces: list[bytes] = []
         self.special_ids = {self.id(piece) for piece in special}
+        self.strips_leading_space = strips_leading_space
 
     def id(self, piece: str | bytes) -> int:
         piece = piece.encode() if isinstance(piece, str) else piece
@@ -83,7 +85,8 @@ class PieceTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         kept = [i for i in token_ids if not (skip_special_tokens and i in self.special_ids)]
-        return b"".join(self.pieces[i] for i in kept).decode("utf-8", errors="replace")
+        text = b"".join(self.pieces[i] for i in kept).decode("utf-8", errors="replace")
+        return text.removeprefix(" ") if self.strips_leading_space else text
 
 
 def core_output(request_id: str, token_ids: list[int], finish_reason: str | None = None,

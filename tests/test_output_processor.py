@@ -137,6 +137,11 @@ def test_characters_split_across_tokens_are_emitted_whole():
     assert choice.text == "café 🎉" and all("\ufffd" not in delta.text for delta in choice.deltas)
 
 
+def test_word_boundary_spaces_survive_a_decoder_that_drops_the_leading_space():
+    choice = Choice(SamplingParams(), PieceTokenizer(strips_leading_space=True))
+    assert [choice.feed(piece) for piece in (" Hello", " world", ",", " again")] == [" Hello", " world", ",", " again"]
+
+
 def test_a_stop_string_after_a_split_character_is_found():
     choice = Choice(SamplingParams(stop=["é!"]))
     choice.feed("caf", b"\xc3", b"\xa9", "! more")

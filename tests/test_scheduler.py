@@ -108,6 +108,19 @@ def test_out_of_blocks_the_newest_running_sequence_is_preempted_and_later_recomp
     assert sched.num_preemptions == 1
 
 
+def test_nothing_is_admitted_in_the_step_that_preempted():
+    sched = scheduler(num_blocks=4, max_num_batched_tokens=4, enable_prefix_caching=False)
+    older, newer = make_sequence(distinct_prompt(4, start=100)), make_sequence(distinct_prompt(3, start=200))
+    sched.add(older)
+    sched.add(newer)
+    while sched.num_preemptions == 0:
+        scheduled = step(sched)
+    assert planned(scheduled) == [(older, 1)] and list(sched.waiting) == [newer]
+    # the newer one's first chunk (3 tokens of budget left) fits in the free block, yet it waits a step
+    assert sched.block_manager.num_free_blocks == 1
+    assert planned(step(sched)) == [(older, 1), (newer, 3)]
+
+
 def test_the_sequence_that_needs_a_block_may_preempt_itself():
     sched = scheduler(num_blocks=4, max_num_batched_tokens=32, enable_prefix_caching=False)
     older, newer = make_sequence(distinct_prompt(5, start=100)), make_sequence(distinct_prompt(8, start=200))
