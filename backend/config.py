@@ -41,6 +41,8 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")
     max_queue_len: int = setting(256, "waiting requests before new ones are refused")
+    max_step_failures: int = setting(3, "engine steps failing in a row after which the engine is dead: it refuses "
+                                        "all requests and reports unhealthy (a persistent fault)")
     max_model_len: int = setting(0, "longest prompt + output in tokens; 0: the model's max_position_embeddings")
     enable_prefix_caching: bool = setting(True, "reuse the KV of cached prompt prefixes")
     lora_dir: str = setting("", "directory of PEFT LoRA adapters, one per subdirectory (empty: LoRA off)")

@@ -66,5 +66,5 @@ def generate(engine: LLMEngine, prompts: list, params: SamplingParams | list[Sam
 def assert_idle(engine: LLMEngine) -> None:
     """Nothing in flight (running, waiting or compiling a grammar) and every KV block free."""
     stats = engine.stats()
-    assert stats.running == 0 and stats.waiting == 0 and not engine.core.requests and not engine.core.compiling
+    assert stats.running == 0 and stats.waiting == 0 and not engine.has_unfinished_requests()
     assert stats.free_blocks == stats.total_blocks and not engine.outputs.requests

@@ -35,8 +35,7 @@ def engine(default_model_dir, adapters_dir) -> LLMEngine:
 
 
 def _abort_all(engine: LLMEngine) -> None:
-    for request_id in list(engine.core.requests):
-        engine.abort_request(request_id)
+    engine.abort_all()
     engine.step()
     stats = engine.stats()
     assert stats.running == stats.waiting == 0 and stats.free_blocks == stats.total_blocks
