@@ -74,6 +74,6 @@ class LoraSlotPool:
         for (layer, projection), (lora_a, lora_b) in adapter.weights.items():
             fused, block, offset = self.placement[projection]
             a, b = self.layers[layer][fused]
-            a[slot, block * R:block * R + r] = lora_a.to(a.dtype)
-            b[slot, offset:offset + lora_b.shape[0], block * R:block * R + r] = lora_b.to(b.dtype)
+            a[slot, block * R:block * R + r] = torch.from_numpy(lora_a).to(a.dtype)
+            b[slot, offset:offset + lora_b.shape[0], block * R:block * R + r] = torch.from_numpy(lora_b).to(b.dtype)
         self.residents[slot] = adapter

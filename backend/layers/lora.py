@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -34,8 +35,9 @@ def projection_shapes(arch) -> dict[str, tuple[int, int]]:
 class LoraAdapter:
     name: str  # path relative to the adapters directory: the adapter's identity (prefix cache included)
     rank: int
-    # (layer, checkpoint projection) → (A [rank, in], B [out, rank] with the scaling folded in), float32 on CPU
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (layer, checkpoint projection) → (A [rank, in], B [out, rank] with the scaling folded in), float32 numpy:
+    # read off the core's thread, they become tensors in the core's slot pool (engine/lora_slots.py)
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass
