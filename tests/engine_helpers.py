@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.interface.parameters import SamplingParams
-from backend.layers.attention import AttentionMetadata, PrefillChunk
+from backend.layers.attention import AttentionMetadata, PrefillBatch
 from backend.llm_engine import LLMEngine, Request
 from backend.processing.outputs import RequestOutput
 
@@ -25,8 +25,11 @@ def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
     shape = (n, 1, arch.num_kv_heads, arch.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
     positions = torch.arange(n)
-    meta = AttentionMetadata(positions, 0, None, None, [PrefillChunk(0, n, n, positions)])
-    return model.compute_logits(model(torch.tensor(token_ids), positions, meta, caches))
+    length = torch.tensor([n], dtype=torch.int32)
+    meta = AttentionMetadata(positions, 0, None, None,
+                             PrefillBatch(torch.zeros(1, dtype=torch.int32), length, length, positions[None]))
+    hidden, _ = model(torch.tensor(token_ids), positions, meta, caches)
+    return model.compute_logits(hidden)
 
 
 @dataclass

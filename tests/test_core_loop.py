@@ -114,7 +114,14 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(loop, engine, m
     assert loop.finished("lucky").error is None and not loop.loop.stats.dead
 
 
-def test_a_request_whose_sampling_fails_fails_alone(engine, monkeypatch):
+@pytest.fixture(scope="module")
+def pair_engine(default_model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=str(default_model_dir), **EXACT, kv_cache_memory=32 << 20,
+                                  max_num_seqs=2))
+
+
+def test_a_request_whose_sampling_fails_fails_alone(pair_engine, monkeypatch):
+    engine = pair_engine
     sampler = engine.core.sampler
 
     def fragile(logits, seqs):
@@ -123,7 +130,6 @@ def test_a_request_whose_sampling_fails_fails_alone(engine, monkeypatch):
         return sampler(logits, seqs)
 
     monkeypatch.setattr(engine.core, "sampler", fragile)
-    monkeypatch.setattr(engine.core.scheduler, "max_num_seqs", 2)  # both in one batch
     engine.core.apply(AddRequest(engine.inputs.process("good", "Hello", SHORT)))
     engine.core.apply(AddRequest(engine.inputs.process("bad", "Hello", SHORT)))
     outputs = []

@@ -73,7 +73,7 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config, model_dir)
         arch = self.runner.model.arch
-        max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        max_model_len = self.runner.max_model_len
         self.limits = ModelLimits(
             name=model_dir.name, vocab_size=arch.vocab_size, max_model_len=max_model_len,
             capacity=min(max_model_len, self.runner.num_blocks * config.block_size), is_moe=arch.is_moe, arch=arch)

@@ -59,8 +59,8 @@ class LoraSlotPool:
         self.recency.move_to_end(slot)
         return slot
 
-    def for_layers(self, token_slots: torch.Tensor) -> list[LayerLora]:
-        return [LayerLora(token_slots, stacks) for stacks in self.layers]
+    def for_layers(self, token_slots: torch.Tensor, active_slots: tuple[int, ...]) -> list[LayerLora]:
+        return [LayerLora(token_slots, active_slots, stacks) for stacks in self.layers]
 
     def release(self, slot: int) -> None:
         self.pins[slot] -= 1

@@ -45,9 +45,10 @@ class LayerLora:
     """What one layer's projections need to apply the batch's adapters."""
 
     token_slots: torch.Tensor  # [tokens] int32: each token's slot, −1 = the base model
+    active_slots: tuple[int, ...]  # the slots (≥ 0) that token_slots holds, from the host
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # fused projection → (A stack, B stack)
 
     def delta(self, projection: str, x: torch.Tensor) -> torch.Tensor:
         """The update each token's adapter adds to the fused projection's output for input x."""
         lora_a, lora_b = self.weights[projection]
-        return kernels.lora_delta(x, lora_a, lora_b, self.token_slots)
+        return kernels.lora_delta(x, lora_a, lora_b, self.token_slots, self.active_slots)

@@ -205,10 +205,10 @@ class LlamaDecoderLayer(nn.Module):
                                  arch.num_experts_per_tok, arch.norm_topk_prob)
                     if index in arch.moe_layers else LlamaMLP(arch))
 
-    def forward(self, rope, hidden, residual, meta, k_cache, v_cache, lora, routed_experts):
-        """Returns (this layer's MLP output, the residual stream before it); their sum is the layer's output.
-        Carrying the two apart lets each residual add fuse into the norm that follows it. A MoE layer appends
-        its tokens' chosen expert ids to routed_experts when that is a list."""
+    def forward(self, rope, hidden, residual, meta, k_cache, v_cache, lora):
+        """Returns (this layer's MLP output, the residual stream before it, a MoE layer's chosen expert ids per
+        token [tokens, top_k] or None); the first two's sum is the layer's output. Carrying them apart lets
+        each residual add fuse into the norm that follows it."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -216,11 +216,9 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(rope, hidden, meta, k_cache, v_cache, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         if not isinstance(self.mlp, SparseMoeMLP):
-            return self.mlp(hidden, lora), residual
+            return self.mlp(hidden, lora), residual, None
         hidden, expert_ids = self.mlp(hidden)  # LoRA is for dense models only (ModelRunner refuses it here)
-        if routed_experts is not None:
-            routed_experts.append(expert_ids)
-        return hidden, residual
+        return hidden, residual, expert_ids
 
 
 class LlamaForCausalLM(nn.Module):
@@ -238,17 +236,19 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 lora: list[LayerLora] | None = None,
-                routed_experts: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """input_ids, positions: [tokens] → final hidden states [tokens, hidden] (before the last norm).
-        lora: per layer, the adapters of the batch's tokens (None: no token uses one).
-        routed_experts: a list to receive, per MoE layer in order, the expert ids each token was routed to
-        ([tokens, top_k]); None: not recorded."""
+                record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions: [tokens] → (final hidden states [tokens, hidden] before the last norm, and with
+        record_routing on a MoE model the expert ids each token was routed to [tokens, MoE layers, top_k], else
+        None). lora: per layer, the adapters of the batch's tokens (None: no token uses one)."""
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.for_positions(positions)
+        routed = []
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            hidden, residual = layer(rope, hidden, residual, meta, k_cache, v_cache,
-                                     None if lora is None else lora[index], routed_experts)
-        return residual + hidden
+            hidden, residual, expert_ids = layer(rope, hidden, residual, meta, k_cache, v_cache,
+                                                 None if lora is None else lora[index])
+            if expert_ids is not None and record_routing:
+                routed.append(expert_ids)
+        return residual + hidden, torch.stack(routed, dim=1) if routed else None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
