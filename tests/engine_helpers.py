@@ -19,14 +19,15 @@ EXACT = {"dtype": "float32", "weight_format": "float32"}
 
 
 def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """A model's (LlamaForCausalLM) logits at every position of one prompt, computed in one prefill through the
+    """A model's (any registered class) logits at every position of one prompt, computed in one prefill through the
     paged attention path, with a fresh KV cache of one token per block in the model's dtype."""
     arch, n, dtype = model.arch, len(token_ids), model.embed_tokens.weight.dtype
     shape = (n, 1, arch.num_kv_heads, arch.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
     positions = torch.arange(n)
     meta = AttentionMetadata(positions, 0, None, None, [PrefillChunk(0, n, n, positions)])
-    return model.compute_logits(model(torch.tensor(token_ids), positions, meta, caches))
+    hidden, _ = model(torch.tensor(token_ids), positions, meta, caches)
+    return model.compute_logits(hidden)
 
 
 @dataclass

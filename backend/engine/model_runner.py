@@ -14,7 +14,9 @@ from backend.engine.lora_slots import LoraSlotPool
 from backend.engine.scheduler import ScheduledSequence
 from backend.engine.sequence import Sequence
 from backend.layers.linear import candidates, choose_format
-from backend.models.llama import LlamaForCausalLM, read_q4_1_blocks
+from backend.models import registry
+from backend.models.llama import LlamaForCausalLM
+from backend.models.weights import read_q4_1_blocks
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,8 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     if device.type != "cpu":
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
-        return LlamaForCausalLM.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch.float32, device)
+        return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
+    model = registry.from_pretrained(model_dir, torch.float32, device)
     q4 = read_q4_1_blocks(model_dir, model.arch)
     options = candidates(config.weight_format, dtype, has_q4=q4 is not None)
     choice = choose_format(options, model.projection_weights(0), None if q4 is None else q4[0],
@@ -170,9 +172,10 @@ class ModelRunner:
         if any(slot >= 0 for slot in lora_slots):  # base-only batches skip the LoRA matmuls entirely
             lora = self.lora_slots.for_layers(torch.tensor(lora_slots, dtype=torch.int32, device=self.device))
         # routing is recorded only when a sequence that samples this step asks for it (engine: MoE models only)
-        routed = [] if any(seq.params.return_routed_experts for seq in sample_seqs) else None
-        hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta, self.kv_caches, lora, routed)
+        record_routing = any(seq.params.return_routed_experts for seq in sample_seqs)
+        hidden, routed = self.model(torch.tensor(input_ids, device=self.device),
+                                    torch.tensor(positions, device=self.device), meta, self.kv_caches, lora,
+                                    record_routing)
         prompt_logits = [PromptLogits(seq, start, self.model.compute_logits(hidden[row:row + rows]))
                          for seq, row, start, rows in prompt_chunks]
         prompt_hidden = [PromptHiddenStates(seq, start, self.model.final_norm(hidden[row:row + rows]).float().cpu())
@@ -184,4 +187,4 @@ class ModelRunner:
         wants_hidden = any(seq.params.return_hidden_states for seq in sample_seqs)
         return StepOutput(self.model.logits_of_normed(normed), sample_seqs, prompt_logits,
                           normed.float().cpu() if wants_hidden else None, prompt_hidden,
-                          None if routed is None else torch.stack(routed, dim=1)[rows].cpu())
+                          None if routed is None else routed[rows].cpu())
