@@ -19,7 +19,7 @@ EXACT = {"dtype": "float32", "weight_format": "float32"}
 
 
 def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """A model's (LlamaForCausalLM) logits at every position of one prompt, computed in one prefill through the
+    """A model's (any registered class) logits at every position of one prompt, computed in one prefill through the
     paged attention path, with a fresh KV cache of one token per block in the model's dtype."""
     arch, n, dtype = model.arch, len(token_ids), model.embed_tokens.weight.dtype
     shape = (n, 1, arch.num_kv_heads, arch.head_dim)

@@ -12,7 +12,8 @@ from backend.engine.model_runner import load_model
 from backend.interface.parameters import SamplingParams
 from backend.layers import linear
 from backend.llm_engine import LLMEngine
-from backend.models.llama import LlamaForCausalLM, read_q4_1_blocks
+from backend.models import registry
+from backend.models.weights import read_q4_1_blocks
 from engine_helpers import generate, prefill_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
@@ -94,7 +95,7 @@ def test_seeded_output_does_not_depend_on_the_batch(format_engine):
 def test_int4_computes_with_the_ggufs_own_q4_1_weights(default_model_dir):
     """Q4_1's w = d·q + m as the int4 kernel's (q − 8)·scale + zero: the layer's outputs are the dequantized
     checkpoint's, to float32 rounding."""
-    model = LlamaForCausalLM.from_pretrained(default_model_dir, torch.float32, torch.device("cpu"))  # as loaded
+    model = registry.from_pretrained(default_model_dir, torch.float32, torch.device("cpu"))  # as loaded
     blocks = read_q4_1_blocks(default_model_dir, model.arch)
     assert blocks is not None  # the default model is a Q4_1 GGUF: prepare kept its blocks
     qkv = blocks[0][0]

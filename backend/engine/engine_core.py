@@ -37,7 +37,7 @@ class ModelLimits:
     max_model_len: int
     capacity: int  # tokens one sequence may hold: prompt + output
     is_moe: bool
-    arch: object  # LlamaArchitecture (LoRA shapes)
+    arch: object  # ModelArchitecture (LoRA shapes)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,9 @@ from backend.engine.scheduler import ScheduledSequence
 from backend.engine.sequence import Sequence
 from backend.layers.linear import candidates, choose_format
 from backend.layers.lora import LayerLora
-from backend.models.llama import LlamaForCausalLM, read_q4_1_blocks
+from backend.models import registry
+from backend.models.llama import LlamaForCausalLM
+from backend.models.weights import read_q4_1_blocks
 from kernels.decode_attention import DecodeWorkspace
 
 log = logging.getLogger(__name__)
@@ -74,8 +76,8 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     if device.type != "cpu":
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
-        return LlamaForCausalLM.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch.float32, device)
+        return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
+    model = registry.from_pretrained(model_dir, torch.float32, device)
     q4 = read_q4_1_blocks(model_dir, model.arch)
     options = candidates(config.weight_format, dtype, has_q4=q4 is not None)
     choice = choose_format(options, model.projection_weights(0), None if q4 is None else q4[0],
