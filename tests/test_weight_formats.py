@@ -22,7 +22,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 # 4-bit weights per output channel and each token's activations to 8 bits; int4 with fp32 activations computes
 # with exactly the checkpoint's weights.
 # int4's fp32 figure is the fp16 LM head's (its projections are the checkpoint's own numbers).
-LOGIT_TOLERANCE = {"float16": 0.05, "bfloat16": 2.0, "int8": 9.0, "int4": {torch.float32: 0.05, torch.bfloat16: 2.0}}
+LOGIT_TOLERANCE = {"float16": 0.05, "bfloat16": 2.0, "int8": 9.0,
+                   "int4": {torch.float32: 0.05, torch.bfloat16: 2.0}}
 # (weight format, dtype): each format as it runs by default here, and int4 with either activation dtype
 FORMATS = [("float32", "auto"), ("float16", "auto"), ("bfloat16", "auto"), ("int8", "auto"), ("int4", "float32"),
            ("int4", "bfloat16")]

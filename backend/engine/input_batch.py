@@ -33,6 +33,10 @@ class PromptRows:
     start: int
     count: int
 
+    @property
+    def rows(self) -> slice:
+        return slice(self.row, self.row + self.count)
+
 
 @dataclass(frozen=True)
 class StepInputs:

@@ -136,11 +136,11 @@ class ModelRunner:
         return self.lora_slots.for_layers(inputs.token_lora_slots, inputs.active_lora_slots)
 
     def _outputs(self, inputs: StepInputs, hidden: torch.Tensor, routed: torch.Tensor | None) -> StepOutput:
-        prompt_logits = [PromptLogits(rows.seq, rows.start, self.model.compute_logits(hidden[rows.row:rows.row + rows.count]))
-                         for rows in inputs.prompt_logprob_rows]
-        prompt_hidden = [PromptHiddenStates(rows.seq, rows.start,
-                                            self.model.final_norm(hidden[rows.row:rows.row + rows.count]).float().cpu())
-                         for rows in inputs.prompt_hidden_rows]
+        prompt_logits = [PromptLogits(chunk.seq, chunk.start, self.model.compute_logits(hidden[chunk.rows]))
+                         for chunk in inputs.prompt_logprob_rows]
+        prompt_hidden = [PromptHiddenStates(chunk.seq, chunk.start,
+                                            self.model.final_norm(hidden[chunk.rows]).float().cpu())
+                         for chunk in inputs.prompt_hidden_rows]
         if not inputs.sample_seqs:
             return StepOutput(torch.empty(0, self.model.arch.vocab_size), [], prompt_logits, None, prompt_hidden)
         normed = self.model.final_norm(hidden.index_select(0, inputs.sample_rows))
