@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from backend.interface import settings
 from backend.interface.settings import setting
 
-WEIGHT_FORMATS = ("auto", "float32", "bfloat16", "int8", "int4")  # backend/layers/linear.py says what each is
+WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4")  # backend/layers/linear.py says what each is
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -31,8 +31,8 @@ class EngineConfig:
     model_path: str = setting("", "HF model directory or .gguf file; empty for the default model", option="model")
     dtype: str = setting("auto", "activations and KV cache dtype (auto: bfloat16 on CUDA; on the CPU what the "
                                  "weight format runs with)")
-    weight_format: str = setting("auto", "CPU projection weights: float32, bfloat16, int8 or int4; auto times the "
-                                         "exact or near-exact ones at load and takes the fastest",
+    weight_format: str = setting("auto", "CPU projection weights: float32, float16, bfloat16, int8 or int4; auto "
+                                         "times the exact or near-exact ones at load and takes the fastest",
                                  choices=WEIGHT_FORMATS)
     device: str = setting("auto", "cpu, cuda or auto (cuda when available)")
     kv_cache_memory: int = setting(1 << 30, "bytes for the paged KV cache of each engine instance (e.g. 512MiB, 8GiB)",
@@ -41,6 +41,8 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")
     max_queue_len: int = setting(256, "waiting requests before new ones are refused")
+    max_step_failures: int = setting(3, "engine steps failing in a row after which the engine is dead: it refuses "
+                                        "all requests and reports unhealthy (a persistent fault)")
     max_model_len: int = setting(0, "longest prompt + output in tokens; 0: the model's max_position_embeddings")
     enable_prefix_caching: bool = setting(True, "reuse the KV of cached prompt prefixes")
     lora_dir: str = setting("", "directory of PEFT LoRA adapters, one per subdirectory (empty: LoRA off)")

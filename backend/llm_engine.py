@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from backend.config import EngineConfig
-from backend.engine.engine_core import EngineCore, EngineStats
+from backend.engine.core_messages import AbortAll
+from backend.engine.engine_core import EngineCore, EngineStats, ModelLimits
 from backend.interface.parameters import SamplingParams
 from backend.model_files import resolve_model_path
 from backend.processing.grammar_compiler import GrammarCompiler
@@ -20,25 +21,26 @@ from backend.processing.outputs import RequestOutput
 
 @dataclass
 class EngineParts:
-    """One engine: each part has its own tokenizer, so each can live on its own thread."""
+    """One engine's processing around its core: each part has its own tokenizer, so each can live on its own
+    thread. The core itself is not here: it belongs to the thread that runs it."""
 
     model_dir: Path
-    core: EngineCore
+    limits: ModelLimits
     inputs: InputProcessor
     outputs: OutputProcessor
     grammars: GrammarCompiler
 
     @classmethod
     def create(cls, config: EngineConfig,
-               start_core: Callable[[Callable[[], EngineCore]], EngineCore] = lambda build: build()) -> "EngineParts":
-        """`start_core` builds the core where it will run (by default right here; the Triton model: its CoreLoop's
-        thread, see backend/engine/core_loop.py)."""
+               start_core: Callable[[Callable[[], EngineCore]], ModelLimits]) -> "EngineParts":
+        """`start_core` builds the core where it will run (the Triton model: its CoreLoop's thread, see
+        backend/engine/core_loop.py; LLMEngine: right here) and returns the model's limits."""
         model_dir = resolve_model_path(config.model_path)
         tokenizer = load_tokenizer(model_dir)
         eos = eos_token_ids(model_dir, tokenizer)
-        core = start_core(lambda: EngineCore(config, model_dir, eos))
-        grammars = GrammarCompiler(load_tokenizer(model_dir), core.limits.vocab_size, eos)
-        return cls(model_dir, core, InputProcessor(config, core.limits, tokenizer, grammars),
+        limits = start_core(lambda: EngineCore(config, model_dir, eos))
+        grammars = GrammarCompiler(load_tokenizer(model_dir), limits.vocab_size, eos)
+        return cls(model_dir, limits, InputProcessor(config, limits, tokenizer, grammars),
                    OutputProcessor(load_tokenizer(model_dir)), grammars)
 
 
@@ -52,8 +54,12 @@ class Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.parts = EngineParts.create(config)
-        self.core, self.inputs, self.outputs = self.parts.core, self.parts.inputs, self.parts.outputs
+        self.parts = EngineParts.create(config, start_core=self._build_core)
+        self.inputs, self.outputs = self.parts.inputs, self.parts.outputs
+
+    def _build_core(self, build: Callable[[], EngineCore]) -> ModelLimits:
+        self.core = build()  # run here, on the caller's thread
+        return self.core.limits
 
     @property
     def tokenizer(self):
@@ -71,6 +77,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_request(request_id)
+
+    def abort_all(self) -> None:
+        self.core.apply(AbortAll())
 
     def step(self) -> list[RequestOutput]:
         outputs = []

@@ -61,8 +61,7 @@ def main() -> None:
         for event in sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:args.rows]:
             print(f"  {event.key:<40} {event.self_cpu_time_total / total * 100:5.1f} %  "
                   f"{event.count / args.steps:6.1f} calls/step")
-        for request_id in list(engine.core.requests):
-            engine.abort_request(request_id)
+        engine.abort_all()
         engine.step()
 
 

@@ -7,6 +7,8 @@ query heads, so every key/value tile is read once per kv head."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -17,6 +19,21 @@ from kernels.attention_tile import load_paged_tile, online_softmax_step
 _BLOCK_N = 64  # context tokens per tile
 _SPLIT_TOKENS = 512  # context tokens per split (a multiple of _BLOCK_N): shorter contexts are not split
 _MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """The split kernel's scratch for up to `max_seqs` sequences, allocated once (not per call: a CUDA graph
+    replays the same addresses): partial outputs and their log-sum-exps, used as flat prefixes."""
+
+    partial: torch.Tensor  # [max_seqs * heads * _MAX_SPLITS * dim] float32
+    lse: torch.Tensor  # [max_seqs * heads * _MAX_SPLITS] float32
+
+    @classmethod
+    def allocate(cls, max_seqs: int, num_heads: int, head_dim: int, device: torch.device) -> "DecodeWorkspace":
+        rows = max_seqs * num_heads * _MAX_SPLITS
+        return cls(torch.empty(rows * triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
+                   torch.empty(rows, dtype=torch.float32, device=device))
 
 
 @triton.jit
@@ -73,8 +90,8 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, out_seq_stride, out_head
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  workspace: DecodeWorkspace | None = None) -> torch.Tensor:
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -88,8 +105,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     split_len = triton.cdiv(triton.cdiv(max_len, num_splits), _BLOCK_N) * _BLOCK_N
     num_splits = triton.cdiv(max_len, split_len)
     dim = triton.next_power_of_2(head_dim)
-    partial = torch.empty(seqs, num_heads, num_splits, dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if workspace is None:
+        workspace = DecodeWorkspace.allocate(seqs, num_heads, head_dim, q.device)
+    partial = workspace.partial[:seqs * num_heads * num_splits * dim].view(seqs, num_heads, num_splits, dim)
+    lse = workspace.lse[:seqs * num_heads * num_splits].view(seqs, num_heads, num_splits)
     _decode_split_kernel[(seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, partial, lse, scale, q.stride(0), q.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), group, head_dim,
@@ -110,8 +129,9 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                     scale: float) -> torch.Tensor:
+                                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                     workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+    """(`workspace` is the kernel's scratch; the reference needs none.)"""
     keys = gather_context(k_cache, block_tables)  # [seqs, kv_heads, padded context, head_dim]
     values = gather_context(v_cache, block_tables)
     mask = torch.arange(keys.shape[-2], device=q.device) < context_lens.unsqueeze(1)

@@ -48,8 +48,8 @@ _BLOCK_K = 128
 _BLOCK_N = 128
 
 
-def lora_delta_triton(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                      token_slots: torch.Tensor) -> torch.Tensor:
+def lora_delta_triton(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                      active_slots: tuple[int, ...]) -> torch.Tensor:
     tokens, width = x.shape
     rank, out_width = lora_a.shape[1], lora_b.shape[1]
     x, lora_a, lora_b = x.contiguous(), lora_a.contiguous(), lora_b.contiguous()
@@ -66,13 +66,12 @@ def lora_delta_triton(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tenso
     return out
 
 
-def lora_delta_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                         token_slots: torch.Tensor) -> torch.Tensor:
-    """x [tokens, in], token_slots [tokens] (int, −1 = none) → the per-token update [tokens, out] in x's dtype."""
+def lora_delta_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                         active_slots: tuple[int, ...]) -> torch.Tensor:
+    """x [tokens, in], token_slots [tokens] (int, −1 = none) → the per-token update [tokens, out] in x's dtype.
+    active_slots: the slots token_slots holds, known on the host (so neither version reads the device)."""
     out = torch.zeros(x.shape[0], lora_b.shape[1], dtype=x.dtype, device=x.device)
-    for slot in token_slots.unique().tolist():
-        if slot < 0:
-            continue
+    for slot in active_slots:
         rows = token_slots == slot
         out[rows] = (x[rows] @ lora_a[slot].T) @ lora_b[slot].T
     return out

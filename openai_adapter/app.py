@@ -16,7 +16,7 @@ from openai_adapter.chat import ChatService
 from openai_adapter.completions import CompletionService
 from openai_adapter.concurrency import cancel_on_disconnect
 from openai_adapter.deadlines import request_deadline, stream_within, within
-from openai_adapter.engine_metrics import read_engine_metrics, relayed, sglang_loads
+from openai_adapter.engine_metrics import dead_instances, read_engine_metrics, relayed, sglang_loads
 from openai_adapter.errors import install_exception_handlers, model_not_found, service_unavailable
 from openai_adapter.head import HeadAsGet
 from openai_adapter.limits import check_limits, read_body
@@ -135,6 +135,12 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         triton: TritonClient = request.app.state.triton
         if not await triton.is_ready():
             raise service_unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready.")
+        # Triton's readiness cannot see an engine that is dead inside a live stub; its metrics can
+        dead = dead_instances(await engine_metrics() or [])
+        if dead:
+            raise service_unavailable(f"engine instance(s) {', '.join(dead)} of Triton model "
+                                      f"'{settings.triton_model}' are dead after repeated failed steps; restart "
+                                      "the server (its log says why).")
         return {"status": "ok"}
 
     # Outside /v1, so a Prometheus scraper needs no API key.

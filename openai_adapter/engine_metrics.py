@@ -14,8 +14,8 @@ from backend.interface.metric_names import GAUGES
 
 _METRICS_TIMEOUT_S = 2.0
 
-RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_HIT_RATE = (
-    GAUGES[key][0] for key in ("running", "waiting", "kv_cache_usage", "prefix_cache_hit_rate"))
+RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_HIT_RATE, ENGINE_DEAD = (
+    GAUGES[key][0] for key in ("running", "waiting", "kv_cache_usage", "prefix_cache_hit_rate", "is_dead"))
 RELAYED = (RUNNING, WAITING, KV_CACHE_USAGE)
 """The load gauges the adapter's /metrics repeats, per engine instance: stable names for dashboards and gateways."""
 
@@ -32,6 +32,12 @@ async def read_engine_metrics(metrics_url: str) -> list[Metric]:
 
 def relayed(families: list[Metric]) -> list[Metric]:
     return [family for family in families if family.name in RELAYED]
+
+
+def dead_instances(families: list[Metric]) -> list[str]:
+    """The engine instances that gave up after failing step after step (they refuse every request)."""
+    return sorted(sample.labels.get("instance", "") for family in families if family.name == ENGINE_DEAD
+                  for sample in family.samples if sample.value)
 
 
 def sglang_loads(families: list[Metric]) -> dict:

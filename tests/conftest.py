@@ -1,5 +1,6 @@
 """Session fixtures: the prepared default model, a running `tritonllm serve` stack on free ports, and the official
-openai SDK pointed at it."""
+openai SDK pointed at it; per module, a tiny random model of the module's `model_type`, its transformers twin and
+an engine serving it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from backend.config import EngineConfig
 from backend.model_files import prepare_default_model
 from lora_helpers import write_random_adapter
 from stack_helpers import (EXACT_OPTIONS, STACK_LORA_ADAPTERS, STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, Stack,
                            StackProcess, check_stack_survived, running_stack)
+from tiny_models import write_tiny_model
 
 STACK_KV_CACHE_MEMORY = "128MiB"  # ~2,900 tokens of SmolLM2-135M KV in float32: keeps the test stack light
 
@@ -66,3 +71,26 @@ def client(stack: Stack) -> openai.OpenAI:
 def complete(stack: Stack, client: openai.OpenAI):
     """client.completions.create with the served model filled in."""
     return lambda **kwargs: client.completions.create(model=stack.model_name, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path, model_type: str) -> Path:
+    """A tiny random checkpoint of `model_type`, a fixture the test module parametrizes."""
+    return write_tiny_model(tmp_path_factory.mktemp(model_type) / f"tiny-{model_type}", default_model_dir, model_type)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_dir: Path) -> PreTrainedModel:
+    """transformers' own model of the tiny checkpoint."""
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dir: Path):
+    """An exact engine serving the tiny checkpoint; block_size 4 and a 16-token budget: prompts span several blocks
+    and prefill in chunks."""
+    # imported on use: the engine imports `kernels`, which tests/kernels/conftest.py must configure first
+    from backend.llm_engine import LLMEngine
+    from engine_helpers import EXACT
+    return LLMEngine(EngineConfig(model_path=str(tiny_dir), **EXACT, kv_cache_memory=4 << 20, block_size=4,
+                                  max_num_batched_tokens=16))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.interface.parameters import SamplingParams
-from backend.layers.attention import AttentionMetadata, PrefillChunk
+from backend.layers.attention import AttentionMetadata, PrefillBatch
 from backend.llm_engine import LLMEngine, Request
 from backend.processing.outputs import RequestOutput
 
@@ -19,14 +19,17 @@ EXACT = {"dtype": "float32", "weight_format": "float32"}
 
 
 def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """A model's (LlamaForCausalLM) logits at every position of one prompt, computed in one prefill through the
+    """A model's (any registered class) logits at every position of one prompt, computed in one prefill through the
     paged attention path, with a fresh KV cache of one token per block in the model's dtype."""
     arch, n, dtype = model.arch, len(token_ids), model.embed_tokens.weight.dtype
     shape = (n, 1, arch.num_kv_heads, arch.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
     positions = torch.arange(n)
-    meta = AttentionMetadata(positions, 0, None, None, [PrefillChunk(0, n, n, positions)])
-    return model.compute_logits(model(torch.tensor(token_ids), positions, meta, caches))
+    length = torch.tensor([n], dtype=torch.int32)
+    meta = AttentionMetadata(positions, 0, None, None,
+                             PrefillBatch(torch.zeros(1, dtype=torch.int32), length, length, positions[None]))
+    hidden, _ = model(torch.tensor(token_ids), positions, meta, caches)
+    return model.compute_logits(hidden)
 
 
 @dataclass
@@ -66,5 +69,5 @@ def generate(engine: LLMEngine, prompts: list, params: SamplingParams | list[Sam
 def assert_idle(engine: LLMEngine) -> None:
     """Nothing in flight (running, waiting or compiling a grammar) and every KV block free."""
     stats = engine.stats()
-    assert stats.running == 0 and stats.waiting == 0 and not engine.core.requests and not engine.core.compiling
+    assert stats.running == 0 and stats.waiting == 0 and not engine.has_unfinished_requests()
     assert stats.free_blocks == stats.total_blocks and not engine.outputs.requests

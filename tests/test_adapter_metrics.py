@@ -123,3 +123,23 @@ def test_without_triton_metrics_loads_are_unavailable_and_metrics_still_answer()
         response = client.get("/metrics")
     assert response.status_code == 200 and "tritonllm_adapter_requests_total" in response.text
     assert "tritonllm:num_requests_running" not in response.text
+
+
+def test_health_is_red_while_an_engine_instance_is_dead(monkeypatch):
+    """Triton calls the model ready while a dead engine refuses everything inside it: its gauge tells."""
+    from openai_adapter.triton_client import TritonClient
+
+    async def ready(self) -> bool:
+        return True
+
+    monkeypatch.setattr(TritonClient, "is_ready", ready)
+    gauge = "# TYPE tritonllm:engine_dead gauge\ntritonllm:engine_dead{{instance=\"{}\",model=\"llm\",version=\"1\"}} {}\n"
+    healthy = TRITON_METRICS + gauge.format("llm_0_0", 0) + gauge.format("llm_0_1", 0)
+    with _triton_metrics_endpoint(healthy) as url, TestClient(create_app(_settings(url))) as client:
+        assert client.get("/health").status_code == 200
+    dead = TRITON_METRICS + gauge.format("llm_0_0", 0) + gauge.format("llm_0_1", 1)
+    with _triton_metrics_endpoint(dead) as url, TestClient(create_app(_settings(url))) as client:
+        response = client.get("/health")
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert "llm_0_1" in error["message"] and "llm_0_0" not in error["message"] and "dead" in error["message"]

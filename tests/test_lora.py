@@ -3,14 +3,20 @@ adapter's B @ A * scale merged into its weights."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.config import EngineConfig
 from backend.llm_engine import LLMEngine
 from backend.interface.parameters import SamplingParams
 from backend.llm_engine import Request
 from backend.interface.errors import InvalidRequest, NotFound
+from backend.processing.lora_files import read_float32_safetensors
 from engine_helpers import EXACT, generate
 from lora_helpers import merged_model, write_random_adapter
 
@@ -35,8 +41,7 @@ def engine(default_model_dir, adapters_dir) -> LLMEngine:
 
 
 def _abort_all(engine: LLMEngine) -> None:
-    for request_id in list(engine.core.requests):
-        engine.abort_request(request_id)
+    engine.abort_all()
     engine.step()
     stats = engine.stats()
     assert stats.running == stats.waiting == 0 and stats.free_blocks == stats.total_blocks
@@ -149,3 +154,58 @@ def test_lora_without_an_adapters_directory_is_refused(default_model_dir):
     engine = LLMEngine(EngineConfig(model_path=str(default_model_dir), kv_cache_memory=8 << 20))
     with pytest.raises(InvalidRequest, match="not enabled"):
         engine.add_request(Request("no-lora", PROMPT, SamplingParams(lora_path="alpha")))
+
+
+class _TorchOps(TorchDispatchMode):
+    """Records every aten op dispatched on the thread that entered it (dispatch modes are per thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors_in(value, seen=None) -> list:
+    """Every torch.Tensor reachable from a processed request's fields (dataclasses, dicts, tuples, lists)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _tensors_in(getattr(value, f.name), seen)]
+    if isinstance(value, dict):
+        return [t for item in value.items() for t in _tensors_in(item, seen)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item, seen)]
+    return []
+
+
+def test_request_processing_runs_no_torch_op(engine):
+    """Triton's thread processes requests; a torch op there would start a second OpenMP team, which slows every
+    step of the core thread. LoRA weights and the allowed_token_ids bitmask stay numpy until the core has them."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, lora_path="beta", allowed_token_ids=[5, 17, 300])
+    with _TorchOps() as recorded:
+        request = engine.inputs.process("no-torch", PROMPT, params)
+    assert recorded.ops == [] and _tensors_in(request) == []
+    assert request.lora.name == "beta" and request.allowed_tokens is not None
+    with _TorchOps() as recorded:  # the check sees ops: converting the bitmask would be caught
+        torch.from_numpy(request.allowed_tokens).to(torch.int64)
+    assert recorded.ops
+    [result] = generate(engine, [PROMPT], params)  # the core turns them into tensors and honours them
+    assert set(result.token_ids()) <= {5, 17, 300}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_adapter_weights_read_without_torch_equal_safetensors_own_reading(tmp_path, dtype):
+    tensors = {"a": torch.randn(4, 6).to(dtype), "b": torch.randn(3).to(dtype)}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    read = read_float32_safetensors(tmp_path / "w.safetensors")
+    assert sorted(read) == ["a", "b"]
+    for name, tensor in tensors.items():
+        assert read[name].dtype == np.float32 and read[name].shape == tuple(tensor.shape)
+        assert np.array_equal(read[name], tensor.float().numpy())

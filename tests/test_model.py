@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM as HFLlama
 
-from backend.models.llama import LlamaForCausalLM
+from backend.models import registry
 from engine_helpers import prefill_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived"]
@@ -23,7 +23,7 @@ def reference(default_model_dir):
 
 def test_default_model_logits_match_transformers(default_model_dir, reference):
     hf_model, tokenizer = reference
-    ours = LlamaForCausalLM.from_pretrained(default_model_dir, torch.float32, torch.device("cpu"))
+    ours = registry.from_pretrained(default_model_dir, torch.float32, torch.device("cpu"))
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
         with torch.no_grad():
@@ -76,7 +76,7 @@ def test_random_llama_checkpoint_matches_transformers(tmp_path, rope_scaling, wr
 
     def error_of(rope_parameters: dict) -> float:
         (tmp_path / "config.json").write_text(json.dumps({**saved, "rope_parameters": rope_parameters}))
-        ours = LlamaForCausalLM.from_pretrained(tmp_path, torch.float32, torch.device("cpu"))
+        ours = registry.from_pretrained(tmp_path, torch.float32, torch.device("cpu"))
         return (prefill_logits(ours, ids) - expected).abs().max().item()
 
     assert error_of(rope) <= TOLERANCE
@@ -100,8 +100,3 @@ def test_llama3_case_has_wavelengths_inside_and_on_both_sides_of_the_smoothing_b
     assert (wavelengths > original / LLAMA3["low_freq_factor"]).any()  # divided by the factor
     assert not in_band(BAND_UNSCALED).any() and not in_band(BAND_SCALED).any()
 
-
-def test_unsupported_architecture_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="Llama-family"):
-        LlamaForCausalLM.from_pretrained(tmp_path, torch.float32, torch.device("cpu"))

@@ -48,5 +48,5 @@ def test_inverse_cdf_draws_follow_the_distribution():
 def test_allowed_tokens_bitmask_sets_exactly_their_bits():
     allowed = [0, 31, 32, 63, 70]
     logits = torch.zeros(1, 71)
-    apply_token_bitmask_reference(logits, allowed_tokens_bitmask(allowed, 71).unsqueeze(0))
+    apply_token_bitmask_reference(logits, torch.from_numpy(allowed_tokens_bitmask(allowed, 71)).unsqueeze(0))
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == allowed

@@ -8,17 +8,17 @@ import torch
 from openai import OpenAI
 from transformers import AutoTokenizer, MixtralForCausalLM
 
-from moe_helpers import tiny_moe_config, write_tiny_moe
 from stack_helpers import EXACT_OPTIONS, running_stack
+from tiny_models import TOP_K, tiny_config, write_tiny_model
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 5
-LAYERS, TOP_K = tiny_moe_config("mixtral").num_hidden_layers, tiny_moe_config("mixtral").num_experts_per_tok
+LAYERS = tiny_config("mixtral").num_hidden_layers
 
 
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory, default_model_dir):
-    return write_tiny_moe(tmp_path_factory.mktemp("mixtral") / "tiny-mixtral", default_model_dir)
+    return write_tiny_model(tmp_path_factory.mktemp("mixtral") / "tiny-mixtral", default_model_dir, "mixtral")
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.block_manager import BlockManager
+from backend.engine.core_messages import AbortAll, AbortRequest, AddRequest, CoreMessage
 from backend.engine.model_runner import ModelRunner, PromptHiddenStates, PromptLogits
 from backend.engine.sampler import Sampler, score
-from backend.engine.scheduler import Scheduler
+from backend.engine.scheduler import ScheduledSequence, Scheduler
 from backend.engine.sequence import CoreOutput, CoreRequest, SampledToken, Sequence, SequenceUpdate
 from backend.engine.structured_output import advance
 from backend.interface.errors import InvalidRequest
@@ -36,15 +37,15 @@ class ModelLimits:
     max_model_len: int
     capacity: int  # tokens one sequence may hold: prompt + output
     is_moe: bool
-    arch: object  # LlamaArchitecture (LoRA shapes)
+    arch: object  # ModelArchitecture (LoRA shapes)
 
 
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the core's state, taken on its own thread; other threads read snapshots, never the core."""
 
-    running: int  # sequences in the running batch
-    waiting: int  # sequences waiting for admission or for their grammar
+    running: int  # requests with a sequence in the running batch
+    waiting: int  # requests none of whose sequences runs: waiting for admission (or readmission) or their grammar
     free_blocks: int
     total_blocks: int
     prefix_cache_hit_rate: float
@@ -54,6 +55,11 @@ class EngineStats:
     preemptions: int
     loaded_loras: tuple[str, ...]
     unfinished_requests: int
+    dead: str = ""  # why the engine gave up (CoreLoop), empty while it serves
+
+    @property
+    def is_dead(self) -> bool:
+        return bool(self.dead)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -67,7 +73,7 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config, model_dir)
         arch = self.runner.model.arch
-        max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        max_model_len = self.runner.max_model_len
         self.limits = ModelLimits(
             name=model_dir.name, vocab_size=arch.vocab_size, max_model_len=max_model_len,
             capacity=min(max_model_len, self.runner.num_blocks * config.block_size), is_moe=arch.is_moe, arch=arch)
@@ -76,17 +82,35 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.lora_slots)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)
-        self.requests: dict[str, CoreRequest] = {}
-        self.compiling: dict[str, CoreRequest] = {}  # waiting for their grammar; not yet scheduled
-        self.ready_outputs: list[CoreOutput] = []  # produced outside step(): aborts
+        # private to the thread that runs the core: other threads send messages (apply) and read stats()
+        self._requests: dict[str, CoreRequest] = {}
+        self._compiling: dict[str, CoreRequest] = {}  # waiting for their grammar; not yet scheduled
+        self._ready_outputs: list[CoreOutput] = []  # produced outside step(): aborts, requests that failed to add
+        self._last_batch = "no step yet"  # what the latest step ran, for the log when a step fails
         self.on_grammar_ready: Callable[[], None] = lambda: None  # the core loop's wake-up call
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         log.info("engine core ready in %.1f s: %s, max_model_len %d", time.monotonic() - started, model_dir,
                  max_model_len)
 
+    def apply(self, message: CoreMessage) -> None:
+        """One message of the core's inbox; its outputs come with the next step."""
+        match message:
+            case AddRequest(request):
+                try:
+                    self.add_request(request)
+                except Exception as exc:  # e.g. a duplicate request id: this request fails, the core goes on
+                    log.exception("request %s could not be added", request.request_id)
+                    self._ready_outputs.append(
+                        CoreOutput(request.request_id, [], len(request.prompt_token_ids), 0, True, error=exc))
+            case AbortRequest(request_id, indices):
+                self.abort_request(request_id, None if indices is None else list(indices))
+            case AbortAll():
+                for request_id in list(self._requests):
+                    self.abort_request(request_id)
+
     def add_request(self, request: CoreRequest) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self._requests:
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")
         for index in range(request.params.num_sequences):
             generator = torch.Generator(device=self.runner.device)
@@ -95,10 +119,10 @@ class EngineCore:
             else:
                 generator.manual_seed(request.params.seed + index)
             request.sequences.append(Sequence(request, index, generator))
-        self.requests[request.request_id] = request
+        self._requests[request.request_id] = request
         self.num_prompt_tokens += len(request.prompt_token_ids)
         if request.grammar is not None:  # scheduled once compiled: a slow compile holds back this request alone
-            self.compiling[request.request_id] = request
+            self._compiling[request.request_id] = request
             request.grammar.add_done_callback(lambda _: self.on_grammar_ready())
             return
         for seq in request.sequences:
@@ -107,14 +131,14 @@ class EngineCore:
     def _admit_compiled(self, outputs: list[CoreOutput]) -> None:
         """Schedule the requests whose grammar is ready, each sequence with its own matcher; fail the ones
         whose grammar is invalid."""
-        for request_id, request in list(self.compiling.items()):
+        for request_id, request in list(self._compiling.items()):
             if not request.grammar.done():
                 continue
             error = request.grammar.exception()
             if error is not None:
                 outputs.append(self.fail_request(request_id, error))
                 continue
-            del self.compiling[request_id]
+            del self._compiling[request_id]
             for seq in request.sequences:
                 if not seq.is_finished:  # (an aborted choice)
                     seq.grammar = request.grammar.result().deep_copy()
@@ -122,7 +146,7 @@ class EngineCore:
 
     def abort_request(self, request_id: str, indices: list[int] | None = None) -> None:
         """Stop the request's sequences (those of `indices`, else all) and free their blocks; an output says so."""
-        request = self.requests.get(request_id)
+        request = self._requests.get(request_id)
         if request is None:
             return
         live = [seq for seq in request.sequences if not seq.is_finished and (indices is None or seq.index in indices)]
@@ -130,23 +154,24 @@ class EngineCore:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
         if request.finished:
-            self.compiling.pop(request_id, None)
-        self._emit(request, live, self.ready_outputs)
+            self._compiling.pop(request_id, None)
+        self._emit(request, live, self._ready_outputs)
 
     def has_work(self) -> bool:
         """Whether step() has anything to do now (a request whose grammar still compiles has not)."""
-        return (self.scheduler.has_work() or bool(self.ready_outputs)
-                or any(request.grammar.done() for request in self.compiling.values()))
+        return (self.scheduler.has_work() or bool(self._ready_outputs)
+                or any(request.grammar.done() for request in self._compiling.values()))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self.ready_outputs)
+        return bool(self._requests or self._ready_outputs)
 
     def step(self) -> list[CoreOutput]:
-        outputs, self.ready_outputs = self.ready_outputs, []
+        outputs, self._ready_outputs = self._ready_outputs, []
         self._admit_compiled(outputs)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
+        self._last_batch = describe_batch(scheduled)
         result = self.runner.execute(scheduled)
         logits, sample_seqs = result.logits, result.sample_seqs
         failed: dict[str, Exception] = {}  # request id → what went wrong in its own bookkeeping
@@ -173,8 +198,11 @@ class EngineCore:
                 seq.finish_reason = "length"
         generating = [i for i, seq in enumerate(sample_seqs) if seq.finish_reason is None]
         if generating:
-            for i, sampled in zip(generating, self.sampler(logits[generating], [sample_seqs[i] for i in generating])):
+            for i, sampled in zip(generating, self._sample(logits[generating], [sample_seqs[i] for i in generating],
+                                                           failed)):
                 seq = sample_seqs[i]
+                if sampled is None:  # its sampling failed: the request fails below
+                    continue
                 isolated(seq, self._append_token, seq, sampled)
                 if seq.params.return_hidden_states:
                     seq.pending_hidden_states.append(result.sample_hidden[i])
@@ -188,9 +216,36 @@ class EngineCore:
             touched.setdefault(seq.request.request_id, []).append(seq)
         for request_id, seqs in touched.items():
             if request_id not in failed:
-                self._emit(self.requests[request_id], seqs, outputs)
+                self._emit(self._requests[request_id], seqs, outputs)
         outputs.extend(self.fail_request(request_id, exc) for request_id, exc in failed.items())
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
+                failed: dict[str, Exception]) -> list[SampledToken | None]:
+        """The batch's tokens; if sampling the batch fails, each sequence is sampled alone so that one request's
+        bad sampling state (a grammar, a mask) fails that request only (None in its place)."""
+        try:
+            return self.sampler(logits, seqs)
+        except Exception:
+            log.exception("sampling the batch failed; sampling its sequences one by one")
+        sampled: list[SampledToken | None] = []
+        for row, seq in enumerate(seqs):
+            try:
+                sampled.append(self.sampler(logits[row:row + 1], [seq])[0])
+            except Exception as exc:
+                log.exception("request %s failed while sampling", seq.request.request_id)
+                failed.setdefault(seq.request.request_id, exc)
+                sampled.append(None)
+        return sampled
+
+    def fail_in_flight(self, exc: Exception) -> list[CoreOutput]:
+        """End every request with an error (a step failed, or the engine is dead); their blocks are freed."""
+        self._ready_outputs.clear()
+        return [self.fail_request(request_id, exc) for request_id in list(self._requests)]
+
+    def last_batch(self) -> str:
+        """What the latest step ran (for the log of a failed step)."""
+        return self._last_batch
 
     def _append_token(self, seq: Sequence, sampled: SampledToken) -> None:
         """Add the sampled token; sets seq.finish_reason when it ends the sequence."""
@@ -209,8 +264,8 @@ class EngineCore:
 
     def fail_request(self, request_id: str, exc: Exception) -> CoreOutput:
         """End a request with an error: its sequences stop and free their blocks."""
-        request = self.requests.pop(request_id)
-        self.compiling.pop(request_id, None)
+        request = self._requests.pop(request_id)
+        self._compiling.pop(request_id, None)
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
@@ -253,13 +308,13 @@ class EngineCore:
                 min(seq.num_cached_tokens for seq in request.sequences), finished,
                 prompt_logprobs=prompt_logprobs, prompt_hidden_states=prompt_hidden_states))
         if finished:
-            del self.requests[request.request_id]
+            del self._requests[request.request_id]
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting) + len(self.compiling),
+            running=self.scheduler.num_running_requests(),
+            waiting=self.num_waiting_requests(),
             free_blocks=bm.num_free_blocks,
             total_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
@@ -268,9 +323,19 @@ class EngineCore:
             generated_tokens=self.num_generated_tokens,
             preemptions=self.scheduler.num_preemptions,
             loaded_loras=() if self.runner.lora_slots is None else tuple(self.runner.lora_slots.loaded_names()),
-            unfinished_requests=len(self.requests) + len(self.ready_outputs),
+            unfinished_requests=len(self._requests) + len(self._ready_outputs),
         )
 
     def num_waiting_requests(self) -> int:
         """Requests not running yet: compiling their grammar or waiting for admission."""
-        return self.scheduler.num_waiting_requests() + len(self.compiling)
+        return self.scheduler.num_waiting_requests() + len(self._compiling)
+
+
+def describe_batch(scheduled: list[ScheduledSequence]) -> str:
+    """One line on a step's batch: sequences, tokens, and each request's share (as vLLM logs a failed step's)."""
+    tokens = sum(item.num_new_tokens for item in scheduled)
+    parts = [f"{item.seq.request.request_id}#{item.seq.index}: {item.num_new_tokens} new of "
+             f"{item.seq.num_tokens}{' lora ' + item.seq.request.lora.name if item.seq.request.lora else ''}"
+             f"{' grammar' if item.seq.grammar is not None else ''}"
+             for item in scheduled]
+    return f"{len(scheduled)} sequences, {tokens} tokens [{'; '.join(parts)}]"

@@ -59,8 +59,8 @@ class LoraSlotPool:
         self.recency.move_to_end(slot)
         return slot
 
-    def for_layers(self, token_slots: torch.Tensor) -> list[LayerLora]:
-        return [LayerLora(token_slots, stacks) for stacks in self.layers]
+    def for_layers(self, token_slots: torch.Tensor, active_slots: tuple[int, ...]) -> list[LayerLora]:
+        return [LayerLora(token_slots, active_slots, stacks) for stacks in self.layers]
 
     def release(self, slot: int) -> None:
         self.pins[slot] -= 1
@@ -74,6 +74,6 @@ class LoraSlotPool:
         for (layer, projection), (lora_a, lora_b) in adapter.weights.items():
             fused, block, offset = self.placement[projection]
             a, b = self.layers[layer][fused]
-            a[slot, block * R:block * R + r] = lora_a.to(a.dtype)
-            b[slot, offset:offset + lora_b.shape[0], block * R:block * R + r] = lora_b.to(b.dtype)
+            a[slot, block * R:block * R + r] = torch.from_numpy(lora_a).to(a.dtype)
+            b[slot, offset:offset + lora_b.shape[0], block * R:block * R + r] = torch.from_numpy(lora_b).to(b.dtype)
         self.residents[slot] = adapter

@@ -1,4 +1,6 @@
-"""Owns the model weights and the paged KV cache; turns a scheduled batch into one forward pass."""
+"""Owns the model weights and the paged KV cache; turns a scheduled batch into one forward pass: the inputs
+are written into persistent buffers (engine/input_batch.py), the model runs on views of them, and the rows
+that matter (sampling positions, prompt chunks asked for) come back as logits and hidden states."""
 
 from __future__ import annotations
 
@@ -9,12 +11,16 @@ from pathlib import Path
 import torch
 
 from backend.config import EngineConfig
-from backend.layers.attention import AttentionMetadata, PrefillChunk
+from backend.engine.input_batch import InputBuffers, StepInputs
 from backend.engine.lora_slots import LoraSlotPool
 from backend.engine.scheduler import ScheduledSequence
 from backend.engine.sequence import Sequence
 from backend.layers.linear import candidates, choose_format
-from backend.models.llama import LlamaForCausalLM, read_q4_1_blocks
+from backend.layers.lora import LayerLora
+from backend.models import registry
+from backend.models.llama import LlamaForCausalLM
+from backend.models.weights import read_q4_1_blocks
+from kernels.decode_attention import DecodeWorkspace
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +76,8 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     if device.type != "cpu":
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
-        return LlamaForCausalLM.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch.float32, device)
+        return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
+    model = registry.from_pretrained(model_dir, torch.float32, device)
     q4 = read_q4_1_blocks(model_dir, model.arch)
     options = candidates(config.weight_format, dtype, has_q4=q4 is not None)
     choice = choose_format(options, model.projection_weights(0), None if q4 is None else q4[0],
@@ -108,80 +114,36 @@ class ModelRunner:
                              "(leave lora_dir empty)")
         self.lora_slots = (LoraSlotPool(arch, config.max_loras, config.max_lora_rank, self.dtype, self.device)
                            if config.lora_dir else None)
-
-    def _block_tables(self, block_tables: list[list[int]], context_len: int) -> torch.Tensor:
-        """[sequences, blocks covering context_len], padded with block 0 (masked out by the caller)."""
-        width = -(-context_len // self.block_size)
-        rows = [table[:width] + [0] * (width - len(table[:width])) for table in block_tables]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        workspace = (DecodeWorkspace.allocate(config.max_num_seqs, arch.num_heads, arch.head_dim, self.device)
+                     if self.device.type == "cuda" else None)
+        longest = min(self.max_model_len, self.num_blocks * self.block_size)  # no sequence holds more tokens
+        self.inputs = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                   -(-longest // self.block_size), self.block_size, self.device, workspace)
 
     def execute(self, scheduled: list[ScheduledSequence]) -> StepOutput:
         """Run one step: logits (and, when asked for, final hidden states) of the positions that sample, and of
         every position of prompt chunks whose prompt logprobs (hidden states) were asked for."""
-        # one-token queries first (batched attention), then prefill chunks (attention per chunk)
-        ordered = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        lora_slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        prompt_chunks: list[tuple[Sequence, int, int, int]] = []  # (sequence, first row, first position, rows)
-        hidden_chunks: list[tuple[Sequence, int, int, int]] = []  # the same, for prompt hidden states
-        for item in ordered:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            scored = min(end, seq.num_prompt_tokens - 1) - start  # positions that predict a prompt token
-            if seq.needs_prompt_logprobs and scored > 0:
-                prompt_chunks.append((seq, len(input_ids), start, scored))
-            in_prompt = min(end, seq.num_prompt_tokens) - start  # prompt positions of this chunk
-            if seq.needs_prompt_hidden_states and in_prompt > 0:
-                hidden_chunks.append((seq, len(input_ids), start, in_prompt))
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            lora_slots.extend([seq.lora_slot] * item.num_new_tokens)
-            table, size = seq.block_table, self.block_size
-            slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
-            if item.samples:
-                sample_rows.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
+        inputs = self.inputs.prepare(scheduled)
+        hidden, routed = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_caches,
+                                    self._lora(inputs), inputs.record_routing)
+        return self._outputs(inputs, hidden, routed)
 
-        decodes = [s for s in ordered if s.num_new_tokens == 1]
-        decode_tables = decode_context_lens = None
-        if decodes:
-            context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
-            decode_tables = self._block_tables([s.seq.block_table for s in decodes], max(context_lens))
-            decode_context_lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)
-        prefills = []
-        row = len(decodes)
-        for item in ordered[len(decodes):]:
-            context_len = item.seq.num_computed_tokens + item.num_new_tokens
-            table = self._block_tables([item.seq.block_table], context_len)[0]
-            prefills.append(PrefillChunk(row, item.num_new_tokens, context_len, table))
-            row += item.num_new_tokens
+    def _lora(self, inputs: StepInputs) -> list[LayerLora] | None:
+        """Each layer's adapters for the batch; None skips the LoRA matmuls (a base-only batch)."""
+        if not inputs.active_lora_slots:
+            return None
+        return self.lora_slots.for_layers(inputs.token_lora_slots, inputs.active_lora_slots)
 
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decodes), decode_block_tables=decode_tables,
-            decode_context_lens=decode_context_lens,
-            prefills=prefills,
-        )
-        lora = None
-        if any(slot >= 0 for slot in lora_slots):  # base-only batches skip the LoRA matmuls entirely
-            lora = self.lora_slots.for_layers(torch.tensor(lora_slots, dtype=torch.int32, device=self.device))
-        # routing is recorded only when a sequence that samples this step asks for it (engine: MoE models only)
-        routed = [] if any(seq.params.return_routed_experts for seq in sample_seqs) else None
-        hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta, self.kv_caches, lora, routed)
-        prompt_logits = [PromptLogits(seq, start, self.model.compute_logits(hidden[row:row + rows]))
-                         for seq, row, start, rows in prompt_chunks]
-        prompt_hidden = [PromptHiddenStates(seq, start, self.model.final_norm(hidden[row:row + rows]).float().cpu())
-                         for seq, row, start, rows in hidden_chunks]
-        if not sample_rows:
+    def _outputs(self, inputs: StepInputs, hidden: torch.Tensor, routed: torch.Tensor | None) -> StepOutput:
+        prompt_logits = [PromptLogits(chunk.seq, chunk.start, self.model.compute_logits(hidden[chunk.rows]))
+                         for chunk in inputs.prompt_logprob_rows]
+        prompt_hidden = [PromptHiddenStates(chunk.seq, chunk.start,
+                                            self.model.final_norm(hidden[chunk.rows]).float().cpu())
+                         for chunk in inputs.prompt_hidden_rows]
+        if not inputs.sample_seqs:
             return StepOutput(torch.empty(0, self.model.arch.vocab_size), [], prompt_logits, None, prompt_hidden)
-        rows = torch.tensor(sample_rows, device=self.device)
-        normed = self.model.final_norm(hidden[rows])
-        wants_hidden = any(seq.params.return_hidden_states for seq in sample_seqs)
-        return StepOutput(self.model.logits_of_normed(normed), sample_seqs, prompt_logits,
-                          normed.float().cpu() if wants_hidden else None, prompt_hidden,
-                          None if routed is None else torch.stack(routed, dim=1)[rows].cpu())
+        normed = self.model.final_norm(hidden.index_select(0, inputs.sample_rows))
+        return StepOutput(self.model.logits_of_normed(normed), inputs.sample_seqs, prompt_logits,
+                          normed.float().cpu() if inputs.wants_hidden else None, prompt_hidden,
+                          None if routed is None else routed.index_select(0, inputs.sample_rows).cpu())

@@ -50,8 +50,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def num_running_requests(self) -> int:
+        return len({id(seq.request) for seq in self.running})
+
     def num_waiting_requests(self) -> int:
-        return len({id(seq.request) for seq in self.waiting})
+        """Requests none of whose sequences runs (a request counts once, whatever its n; one with a sequence
+        running is running, even while another of its sequences waits after a preemption)."""
+        running = {id(seq.request) for seq in self.running}
+        return len({id(seq.request) for seq in self.waiting} - running)
 
     def schedule(self) -> list[ScheduledSequence]:
         budget = self.max_num_batched_tokens

@@ -7,6 +7,7 @@ import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from backend.interface.parameters import SamplingParams
@@ -37,7 +38,7 @@ class CoreRequest:
     max_tokens: int  # params.max_tokens resolved against the context length
     lora: LoraAdapter | None = None
     grammar: Future | None = None  # the compiling matcher of a constrained request
-    allowed_tokens: torch.Tensor | None = None  # [bitmask words] int32 of params.allowed_token_ids, built once
+    allowed_tokens: np.ndarray | None = None  # [bitmask words] int32 of params.allowed_token_ids, built once
     sequences: list["Sequence"] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     prompt_hidden_states_sent: bool = False

@@ -5,6 +5,7 @@ A request's `allowed_token_ids` is a fixed bitmask of its own, combined with its
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 
@@ -16,12 +17,12 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allowed_tokens_bitmask(token_ids: list[int], vocab_size: int) -> torch.Tensor:
-    """[words] int32 with the bits of token_ids set (bit t % 32 of word t // 32)."""
-    bits = torch.zeros(bitmask_words(vocab_size) * 32, dtype=torch.int64)
+def allowed_tokens_bitmask(token_ids: list[int], vocab_size: int) -> np.ndarray:
+    """[words] int32 with the bits of token_ids set (bit t % 32 of word t // 32). numpy: request processing
+    builds it on Triton's thread, where no torch op may run."""
+    bits = np.zeros(bitmask_words(vocab_size) * 32, dtype=np.uint8)
     bits[token_ids] = 1
-    words = (bits.view(-1, 32) << torch.arange(32)).sum(dim=1)
-    return words.to(torch.int32)  # (wraps: bit 31 is the sign bit)
+    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view("<i4").reshape(-1)
 
 
 class BitmaskFiller:
@@ -43,7 +44,7 @@ class BitmaskFiller:
             self._executor.unsafe_compute_mask_ptr(constrained, bitmask.data_ptr(), self._words * 4, len(seqs))
         for row, seq in enumerate(seqs):
             if seq.request.allowed_tokens is not None:
-                bitmask[row] &= seq.request.allowed_tokens
+                bitmask[row] &= torch.from_numpy(seq.request.allowed_tokens)
         return bitmask
 
 

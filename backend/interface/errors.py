@@ -25,6 +25,8 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = _Wire("NOT_FOUND", 404, "invalid_request_error", "model_not_found")  # e.g. a LoRA adapter
     OVERLOADED = _Wire("UNAVAILABLE", 503, "service_unavailable_error", retry_after=True)  # admission control
     CANCELLED = _Wire("CANCELLED", 503, "service_unavailable_error", retry_after=True)  # cancelled by the server
+    # the engine failed step after step and gave up: no retry here helps (another replica, or a restart, does)
+    ENGINE_DEAD = _Wire("UNAVAILABLE", 503, "service_unavailable_error", "engine_dead")
     INTERNAL = _Wire("INTERNAL", 500, "server_error")
 
     @property
@@ -67,6 +69,10 @@ class Overloaded(RequestError):
 
 class Cancelled(RequestError):
     kind = ErrorKind.CANCELLED
+
+
+class EngineDead(RequestError):
+    kind = ErrorKind.ENGINE_DEAD
 
 
 def encode(kind: ErrorKind, message: str, param: str | None = None) -> str:

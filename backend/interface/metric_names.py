@@ -3,8 +3,8 @@ The adapter reads some of them back (loaded LoRA adapters, the engine's load).""
 
 # EngineStats field → (metric name, help)
 GAUGES = {
-    "running": ("tritonllm:num_requests_running", "Sequences in the running batch"),
-    "waiting": ("tritonllm:num_requests_waiting", "Sequences waiting for admission"),
+    "running": ("tritonllm:num_requests_running", "Requests with a sequence in the running batch"),
+    "waiting": ("tritonllm:num_requests_waiting", "Requests waiting for admission (none of their sequences runs)"),
     "free_blocks": ("tritonllm:kv_cache_free_blocks", "Free blocks of the paged KV cache"),
     "total_blocks": ("tritonllm:kv_cache_total_blocks", "Blocks of the paged KV cache"),
     "kv_cache_usage": ("tritonllm:kv_cache_usage",
@@ -12,6 +12,8 @@ GAUGES = {
     "prefix_cache_hit_rate": ("tritonllm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"),
     # a constant, published for the adapter's /v1/models
     "max_model_len": ("tritonllm:max_model_len", "Most tokens (prompt + output) one request may hold"),
+    # 1 once the engine gave up after consecutive failed steps (the adapter's /health then answers 503)
+    "is_dead": ("tritonllm:engine_dead", "1 when the engine failed max_step_failures steps in a row and refuses work"),
 }
 COUNTERS = {
     "prompt_tokens": ("tritonllm:prompt_tokens_total", "Prompt tokens of admitted requests"),

@@ -1,19 +1,23 @@
 """The model's projections and LM head in a weight format, and choosing the format by measurement.
 
 On a CPU the matmuls are most of a step, and which format is fastest depends on the machine: fp32 through
-oneDNN (prepacked) beats MKL's small-batch sgemm on some CPUs; bf16 weights and activations, and the int8 / int4
-weight-only kernels, are fast only on CPUs with bf16 hardware (AVX512-BF16, AMX) and much slower without it.
-`choose_format` times the candidates on the model's own layer shapes at load and keeps the fastest one that is
-exact or near-exact for the checkpoint:
+oneDNN (prepacked) beats MKL's small-batch sgemm on some CPUs; fbgemm's fp16-weight kernels halve the bytes
+read on any AVX2 CPU; bf16 weights and activations, and the int4 weight-only kernel, are fast only on CPUs with
+bf16 hardware (AVX512-BF16, AMX) and much slower without it. `choose_format` times the candidates on the
+model's own layer shapes at load and keeps the fastest one that is exact or near-exact for the checkpoint:
 
-| format | weights | activations | numerics |
-|---|---|---|---|
-| float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact |
-| bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) |
-| int4 | the checkpoint's own Q4_1 blocks (scale d, zero m + 8d per 32 weights) | bf16 | the shipped 4-bit weights, d and m rounded to bf16 |
-| int8 | per-output-channel int8 (a quantization of the checkpoint) | bf16 | lossy: chosen only when asked for |
+| format | weights | activations | numerics | auto may pick it |
+|---|---|---|---|---|
+| float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
+| float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
+| int4 | the checkpoint's own Q4_1 blocks (scale d, zero m + 8d per 32 weights) | fp32 (auto), or bf16 | fp32: exactly the shipped 4-bit weights; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
+| int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
-With int4 the LM head (the tied embedding, a Q8_0 tensor in the GGUF) stays bf16; with int8 it is int8 too."""
+auto considers only what keeps float32's greedy output on the accuracy test set (tests/test_weight_formats.py).
+With int4 the LM head (the tied embedding, a Q8_0 tensor in the GGUF) runs as float16 (fp32 activations) or
+bf16 (bf16 activations); with float16 and int8 it is in the same format as the projections. Every format computes each token's row on its own (per-token
+quantization, no batch-wide scales), so a request's output does not depend on what it is batched with."""
 
 from __future__ import annotations
 
@@ -44,6 +48,10 @@ def cpu_has_bf16() -> bool:
 
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
 
 
 @dataclass(frozen=True)
@@ -98,17 +106,33 @@ class OneDNNProjection(Projection):
         return self.linear(x, self.packed, None, "none", [], "")
 
 
-class Int8Projection(Projection):
-    """int8 weights with one scale per output channel, activations in bf16 (or fp32)."""
+class Float16Projection(Projection):
+    """fp16 weights prepacked for fbgemm, fp32 activations and accumulation."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(bias)
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.weight = (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
-        self.scales = scales.to(dtype)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
+        self.linear = torch.ops.quantized.linear_dynamic_fp16.default
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return self.linear(x, self.packed)
+
+
+class Int8Projection(Projection):
+    """int8 weights with one scale per output channel; each token's activations quantized to int8 with its own
+    absmax scale; int8 x int8 products summed exactly in int32, then scaled back to fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.weight_t = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
+        self.scales = scales.float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        token_scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        quantized = (x / token_scales).round_().to(torch.int8)
+        return torch._int_mm(quantized, self.weight_t).float().mul_(token_scales).mul_(self.scales)
 
 
 class Int4Projection(Projection):
@@ -130,7 +154,7 @@ class Choice:
 
     weight_format: str
     dtype: torch.dtype
-    kernel: str  # aten, onednn, int8, int4
+    kernel: str  # aten, onednn, fbgemm (float16), int8, int4
 
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Weight | None = None) -> Projection:
         """A projection of fp32 `weight` (or of its Q4_1 blocks, for int4)."""
@@ -138,12 +162,17 @@ class Choice:
         if self.kernel == "int4":
             return Int4Projection(q4, bias, self.dtype)
         if self.kernel == "int8":
-            return Int8Projection(weight, bias, self.dtype)
+            return Int8Projection(weight, bias)
+        if self.kernel == "fbgemm":
+            return Float16Projection(weight, bias)
         weight = weight.to(self.dtype)
         return OneDNNProjection(weight, bias) if self.kernel == "onednn" else DenseProjection(weight, bias)
 
     def make_head(self, weight: torch.Tensor) -> Projection:
-        """The LM head: int4 has no Q4_1 blocks for it, so it runs as bf16 (near-exact) instead."""
+        """The LM head: int4 has no Q4_1 blocks for it, so it runs near-exact instead: fp16 weights with fp32
+        activations, bf16 with bf16 activations."""
+        if self.kernel == "int4" and self.dtype == torch.float32 and _fbgemm_available():
+            return Choice("float16", self.dtype, "fbgemm").make(weight, None)
         if self.kernel == "int4":
             return Choice("bfloat16", self.dtype, "onednn" if _onednn_available() else "aten").make(weight, None)
         return self.make(weight, None)
@@ -153,31 +182,36 @@ class Choice:
 
 
 def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[Choice]:
-    """What `requested` may run as on the CPU; `dtype` None lets the format choose the activations."""
+    """What `requested` may run as on the CPU; `dtype` None lets the format choose the activations.
+
+    auto considers only what keeps float32's greedy output (the table above): fp32 activations with fp32 or fp16
+    weights, or with the checkpoint's own Q4_1 weights. bf16 activations (bfloat16, int4 on bf16 hardware) are
+    faster on CPUs with bf16 hardware but change some greedy continuations: they run when asked for, by
+    weight_format or by dtype=bfloat16 (then auto times those)."""
     if requested not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight_format {requested!r} (choose from {', '.join(WEIGHT_FORMATS)})")
-    bf16_hw = cpu_has_bf16()
     if requested == "auto":
-        formats = ["float32"] + (["bfloat16"] + (["int4"] if has_q4 else []) if bf16_hw else [])
+        act = dtype or torch.float32
+        formats = (["float32"] + (["float16"] if _fbgemm_available() else []) if act == torch.float32
+                   else ["bfloat16"]) + (["int4"] if has_q4 else [])
     else:
         formats = [requested]
-    if "int4" in formats and not has_q4:
-        raise ValueError("weight_format int4 serves a checkpoint's Q4_1 weights; this model has none (it was not "
-                         "converted from a Q4_1 GGUF)")
+        if requested == "int4" and not has_q4:
+            raise ValueError("weight_format int4 serves a checkpoint's Q4_1 weights; this model has none (it was "
+                             "not converted from a Q4_1 GGUF)")
+        native = {"bfloat16": torch.bfloat16,  # int4: bf16 activations where the CPU computes them natively
+                  "int4": torch.bfloat16 if cpu_has_bf16() else torch.float32}.get(requested, torch.float32)
+        act = dtype or native
+        if act != native and requested != "int4":  # int4 runs with either
+            raise ValueError(f"weight_format {requested} needs {native} activations, not dtype {dtype}")
     choices = []
     for weight_format in formats:
-        if weight_format == "float32":
-            act = torch.float32
-        elif weight_format == "bfloat16":
-            act = torch.bfloat16
-        else:  # the int kernels: bf16 activations where the CPU has bf16 hardware
-            act = dtype or (torch.bfloat16 if bf16_hw else torch.float32)
-        if dtype is not None and act != dtype:
-            if requested != "auto":
-                raise ValueError(f"weight_format {weight_format} needs {act} activations, not dtype {dtype}")
-            continue
-        kernels = [weight_format] if weight_format in ("int8", "int4") else \
-            ["aten"] + (["onednn"] if _onednn_available() else [])
+        if weight_format in ("int8", "int4"):
+            kernels = [weight_format]
+        elif weight_format == "float16":
+            kernels = ["fbgemm"]
+        else:
+            kernels = ["aten"] + (["onednn"] if _onednn_available() else [])
         choices += [Choice(weight_format, act, kernel) for kernel in kernels]
     return choices
 

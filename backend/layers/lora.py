@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -34,8 +35,9 @@ def projection_shapes(arch) -> dict[str, tuple[int, int]]:
 class LoraAdapter:
     name: str  # path relative to the adapters directory: the adapter's identity (prefix cache included)
     rank: int
-    # (layer, checkpoint projection) → (A [rank, in], B [out, rank] with the scaling folded in), float32 on CPU
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (layer, checkpoint projection) → (A [rank, in], B [out, rank] with the scaling folded in), float32 numpy:
+    # read off the core's thread, they become tensors in the core's slot pool (engine/lora_slots.py)
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -43,9 +45,10 @@ class LayerLora:
     """What one layer's projections need to apply the batch's adapters."""
 
     token_slots: torch.Tensor  # [tokens] int32: each token's slot, −1 = the base model
+    active_slots: tuple[int, ...]  # the slots (≥ 0) that token_slots holds, from the host
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # fused projection → (A stack, B stack)
 
     def delta(self, projection: str, x: torch.Tensor) -> torch.Tensor:
         """The update each token's adapter adds to the fused projection's output for input x."""
         lora_a, lora_b = self.weights[projection]
-        return kernels.lora_delta(x, lora_a, lora_b, self.token_slots)
+        return kernels.lora_delta(x, lora_a, lora_b, self.token_slots, self.active_slots)

@@ -1,15 +1,19 @@
 """Reading LoRA adapters from the adapters directory (PEFT's adapter_config.json + adapter_model.safetensors),
-off the engine core's thread; the core gets a checked `LoraAdapter`."""
+off the engine core's thread; the core gets a checked `LoraAdapter`.
+
+This runs on Triton's thread, where no torch op may run (a second OpenMP team slows every engine step, see
+backend/engine/core_loop.py): the weights are read and scaled with numpy, and become tensors in the core's
+LoRA slot pool."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import struct
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
+import numpy as np
 
 from backend.interface.errors import InvalidRequest
 from backend.interface.lora_names import CONFIG_FILE, resolve_adapter
@@ -52,15 +56,14 @@ class AdapterDirectory:
         alpha = float(config.get("lora_alpha", rank))
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         try:
-            with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as handle:
-                tensors = {key: handle.get_tensor(key).float() for key in handle.keys()}
-        except Exception as error:  # missing or corrupt file: safetensors raises several kinds
+            tensors = read_float32_safetensors(folder / WEIGHTS_FILE)
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as error:  # missing, corrupt or odd file
             raise InvalidRequest(f"LoRA adapter {name!r}: unreadable {WEIGHTS_FILE} ({error})", "lora_path") from None
         return LoraAdapter(name, rank, self._pair_weights(name, tensors, rank, scaling))
 
-    def _pair_weights(self, name: str, tensors: dict[str, torch.Tensor], rank: int,
-                      scaling: float) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-        halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    def _pair_weights(self, name: str, tensors: dict[str, np.ndarray], rank: int,
+                      scaling: float) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
+        halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
         for key, tensor in tensors.items():
             match = _PEFT_KEY.fullmatch(key)
             if match is None:
@@ -75,7 +78,30 @@ class AdapterDirectory:
                     or b.shape != (out_features, rank):
                 raise InvalidRequest(f"LoRA adapter {name!r} does not fit this model at layer {layer} {projection} "
                                      f"(expected A {(rank, in_features)} and B {(out_features, rank)})", "lora_path")
-            weights[(layer, projection)] = (a, b * scaling)
+            weights[(layer, projection)] = (a, b * np.float32(scaling))
         if not weights:
             raise InvalidRequest(f"LoRA adapter {name!r} has no LoRA weights", "lora_path")
         return weights
+
+
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bf16: the high half of a float32
+
+
+def read_float32_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every floating-point tensor of a safetensors file as float32 numpy arrays. The format: an 8-byte
+    little-endian header length, a JSON header (dtype, shape, data_offsets per tensor), then the data."""
+    data = path.read_bytes()
+    (header_len,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + header_len])
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if entry["dtype"] not in _FLOAT_DTYPES:
+            raise ValueError(f"tensor {key} has dtype {entry['dtype']}; LoRA weights are F32, F16 or BF16")
+        start, end = entry["data_offsets"]
+        raw = np.frombuffer(data, _FLOAT_DTYPES[entry["dtype"]], offset=8 + header_len + start,
+                            count=(end - start) // np.dtype(_FLOAT_DTYPES[entry["dtype"]]).itemsize)
+        values = (raw.astype(np.uint32) << 16).view(np.float32) if entry["dtype"] == "BF16" else raw.astype(np.float32)
+        tensors[key] = values.reshape(entry["shape"])
+    return tensors

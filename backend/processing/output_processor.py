@@ -156,8 +156,10 @@ class OutputProcessor:
                 found = text.find(stop, start)
                 if found >= 0:
                     matches.append((found, found + len(stop), stop))
-        for pattern in params.stop_patterns:  # a regex may match anywhere, so the whole text is searched
-            found = pattern.search(text)
+        # A regex match may start anywhere not yet sent (text it may still match is held back); matches in sent
+        # text were made before min_tokens, and like stop strings made then they don't count.
+        for pattern in params.stop_patterns:
+            found = pattern.search(text, choice.num_sent_chars)
             if found:
                 matches.append((found.start(), found.end(), pattern.pattern))
         if not matches:

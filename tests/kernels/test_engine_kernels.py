@@ -20,7 +20,7 @@ from backend.engine.sequence import SampledToken, Sequence
 from backend.interface.parameters import SamplingParams
 from backend.llm_engine import LLMEngine
 from engine_helpers import EXACT, generate
-from moe_helpers import TOKENIZER_FILES
+from tiny_models import TOKENIZER_FILES
 
 # SmolLM2's first layers: its trained, peaked attention, at a fifteenth of the interpreter's time per step
 NUM_LAYERS = 2

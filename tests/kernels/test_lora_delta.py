@@ -17,8 +17,8 @@ def test_lora_delta_mixes_slots_and_base_tokens(dtype, width, rank, out_width):
     x = torch.randn(len(token_slots), width, device=DEVICE).to(dtype)
     lora_a = (torch.randn(slots, rank, width, device=DEVICE) * 0.1).to(dtype)
     lora_b = (torch.randn(slots, out_width, rank, device=DEVICE) * 0.1).to(dtype)
-    ours = lora_delta_triton(x, lora_a, lora_b, token_slots)
-    expected = lora_delta_reference(x, lora_a, lora_b, token_slots)
+    ours = lora_delta_triton(x, lora_a, lora_b, token_slots, (0, 1, 2))
+    expected = lora_delta_reference(x, lora_a, lora_b, token_slots, (0, 1, 2))
     assert ours.dtype == x.dtype
     assert (ours[token_slots < 0] == 0).all()  # base tokens get no update
     assert expected[token_slots >= 0].abs().max() > 0.1  # a real update to compare
@@ -30,5 +30,5 @@ def test_lora_delta_mixes_slots_and_base_tokens(dtype, width, rank, out_width):
 def test_lora_delta_of_an_empty_batch():
     x = torch.empty(0, 64, device=DEVICE)
     out = lora_delta_triton(x, torch.zeros(2, 8, 64, device=DEVICE), torch.zeros(2, 32, 8, device=DEVICE),
-                            torch.empty(0, dtype=torch.int32, device=DEVICE))
+                            torch.empty(0, dtype=torch.int32, device=DEVICE), ())
     assert out.shape == (0, 32)

@@ -1,0 +1,201 @@
+"""Continuous batching without a model: the token budget, decodes before prefill chunks, FCFS admission,
+preemption by recompute and sequences waiting for a LoRA slot. Each step is the engine core's bookkeeping with
+the forward pass left out (core_fakes.step)."""
+
+from __future__ import annotations
+
+from backend.engine.block_manager import BlockManager
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import Sequence, SequenceStatus
+from backend.interface.parameters import SamplingParams
+from core_fakes import SAMPLED_TOKEN, adapter, distinct_prompt, lora_slot_pool, make_sequence, planned, step
+
+BLOCK = 4
+
+
+def scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 16,
+              enable_prefix_caching: bool = True, lora_slots=None) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BLOCK, enable_prefix_caching), max_num_seqs, max_num_batched_tokens,
+                     lora_slots)
+
+
+def test_decodes_take_one_token_each_and_a_long_prompt_is_prefilled_in_chunks_of_what_is_left():
+    sched = scheduler(max_num_batched_tokens=16)
+    a, b = make_sequence(distinct_prompt(3, start=100)), make_sequence(distinct_prompt(5, start=200))
+    sched.add(a)
+    sched.add(b)
+    assert planned(step(sched)) == [(a, 3), (b, 5)]  # both prompts fit in one step
+    long = make_sequence(distinct_prompt(40, start=300))
+    sched.add(long)
+
+    chunks = []
+    while long.num_output_tokens == 0:
+        scheduled = step(sched)
+        assert planned(scheduled)[:2] == [(a, 1), (b, 1)]  # every step, before any prefill
+        [(seq, num_new)] = planned(scheduled)[2:]
+        assert seq is long
+        chunks.append(num_new)
+    assert chunks == [14, 14, 12]  # the budget minus the two decodes; it samples after the last chunk only
+    assert planned(step(sched)) == [(a, 1), (b, 1), (long, 1)]
+
+
+def test_a_waiting_prompt_never_takes_the_running_decodes_budget():
+    sched = scheduler(max_num_batched_tokens=4)
+    running = [make_sequence(distinct_prompt(1, start=100 + 10 * i)) for i in range(3)]
+    for seq in running:
+        sched.add(seq)
+    step(sched)
+    late = make_sequence(distinct_prompt(9, start=200))
+    sched.add(late)
+    for _ in range(3):  # one token of budget left per step: the new prompt advances by one
+        assert planned(step(sched)) == [(seq, 1) for seq in running] + [(late, 1)]
+
+
+def test_fcfs_a_request_that_does_not_fit_holds_back_the_ones_behind_it():
+    sched = scheduler(num_blocks=8, max_num_batched_tokens=64)
+    first = make_sequence(distinct_prompt(18, start=100))  # 5 of the 8 blocks
+    sched.add(first)
+    step(sched)
+    big, small = make_sequence(distinct_prompt(16, start=200)), make_sequence(distinct_prompt(2, start=300))
+    sched.add(big)
+    sched.add(small)
+    assert planned(step(sched)) == [(first, 1)]  # small would fit, but big came first
+    assert list(sched.waiting) == [big, small] and big.block_table == [] and sched.block_manager.num_free_blocks == 3
+
+    sched.finish(first)
+    assert planned(step(sched)) == [(big, 16), (small, 2)]
+    assert sched.num_waiting_requests() == 0
+
+
+def test_max_num_seqs_bounds_the_running_sequences():
+    sched = scheduler(max_num_seqs=2)
+    seqs = [make_sequence(distinct_prompt(2, start=100 + 10 * i)) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    assert planned(step(sched)) == [(seqs[0], 2), (seqs[1], 2)]
+    assert list(sched.waiting) == [seqs[2]]
+    sched.finish(seqs[0])
+    assert planned(step(sched)) == [(seqs[1], 1), (seqs[2], 2)]
+
+
+def test_out_of_blocks_the_newest_running_sequence_is_preempted_and_later_recomputed():
+    sched = scheduler(num_blocks=4, max_num_batched_tokens=32)
+    manager = sched.block_manager
+    older, newer = make_sequence(distinct_prompt(7, start=100)), make_sequence(distinct_prompt(7, start=200))
+    sched.add(older)
+    sched.add(newer)
+    step(sched)  # both prefilled: 2 blocks each, the pool is full
+    step(sched)  # the 8th token of each still fits
+    behind = make_sequence(distinct_prompt(3, start=300))
+    sched.add(behind)
+
+    # the older one's 9th token needs a third block: the newer one gives its two back
+    assert planned(step(sched)) == [(older, 1)]
+    assert sched.num_preemptions == 1 and sched.running == [older]
+    assert newer.status is SequenceStatus.WAITING and newer.block_table == [] and newer.num_computed_tokens == 0
+    assert newer.output_token_ids == [SAMPLED_TOKEN, SAMPLED_TOKEN]  # generated tokens are kept
+    assert list(sched.waiting) == [newer, behind]  # ahead of what was already waiting
+    # a block is free now and `behind` would fit in it, but nothing is admitted in the step that preempted
+    assert manager.num_free_blocks == 1
+
+    while older.num_output_tokens < 4:  # the older one runs on; the newer one can't come back yet (FCFS: nor behind)
+        assert planned(step(sched)) == [(older, 1)]
+    sched.finish(older)
+    # recomputed: prompt and generated tokens, from its first block that the prefix cache still holds
+    assert planned(step(sched)) == [(newer, 5), (behind, 3)]
+    assert newer.num_computed_tokens == 9 and newer.output_token_ids == [SAMPLED_TOKEN] * 3
+    assert newer.num_cached_tokens == 0  # the prefix-cache figure of its first admission
+    assert sched.num_preemptions == 1
+
+
+def test_nothing_is_admitted_in_the_step_that_preempted():
+    sched = scheduler(num_blocks=4, max_num_batched_tokens=4, enable_prefix_caching=False)
+    older, newer = make_sequence(distinct_prompt(4, start=100)), make_sequence(distinct_prompt(3, start=200))
+    sched.add(older)
+    sched.add(newer)
+    while sched.num_preemptions == 0:
+        scheduled = step(sched)
+    assert planned(scheduled) == [(older, 1)] and list(sched.waiting) == [newer]
+    # the newer one's first chunk (3 tokens of budget left) fits in the free block, yet it waits a step
+    assert sched.block_manager.num_free_blocks == 1
+    assert planned(step(sched)) == [(older, 1), (newer, 3)]
+
+
+def test_the_sequence_that_needs_a_block_may_preempt_itself():
+    sched = scheduler(num_blocks=4, max_num_batched_tokens=32, enable_prefix_caching=False)
+    older, newer = make_sequence(distinct_prompt(5, start=100)), make_sequence(distinct_prompt(8, start=200))
+    sched.add(older)
+    sched.add(newer)
+    step(sched)  # older: 2 blocks with room to spare; newer: 2 full blocks
+    # the newer one's next token needs a block and it is the newest itself: only it goes back to waiting
+    assert planned(step(sched)) == [(older, 1)]
+    assert sched.running == [older] and list(sched.waiting) == [newer] and sched.num_preemptions == 1
+
+
+def test_a_lora_sequence_waits_while_every_slot_is_pinned():
+    pool = lora_slot_pool(max_loras=1)
+    sched = scheduler(lora_slots=pool)
+    with_x = make_sequence(distinct_prompt(3, start=100), lora=adapter("x"))
+    sched.add(with_x)
+    step(sched)
+    assert with_x.lora_slot == 0 and pool.pins == [1]
+
+    with_y = make_sequence(distinct_prompt(3, start=200), lora=adapter("y"))
+    base = make_sequence(distinct_prompt(3, start=300))
+    also_x = make_sequence(distinct_prompt(3, start=400), lora=adapter("x"))
+    for seq in (with_y, base, also_x):
+        sched.add(seq)
+    for _ in range(2):  # y finds no slot: it waits, and FCFS the requests behind it too
+        assert planned(step(sched)) == [(with_x, 1)]
+        assert with_y.lora_slot == -1 and list(sched.waiting) == [with_y, base, also_x]
+
+    sched.finish(with_x)
+    assert pool.pins == [0] and with_x.lora_slot == -1
+    assert planned(step(sched)) == [(with_y, 3), (base, 3)]  # y evicted x from the slot; x must wait again
+    assert pool.loaded_names() == ["y"] and list(sched.waiting) == [also_x]
+
+
+def test_sequences_of_one_adapter_share_its_slot():
+    pool = lora_slot_pool(max_loras=1)
+    sched = scheduler(lora_slots=pool)
+    seqs = [make_sequence(distinct_prompt(3, start=100 + 10 * i), lora=adapter("x")) for i in range(2)]
+    for seq in seqs:
+        sched.add(seq)
+    assert planned(step(sched)) == [(seqs[0], 3), (seqs[1], 3)]
+    assert pool.pins == [2] and [seq.lora_slot for seq in seqs] == [0, 0]
+
+
+def test_a_lora_sequence_that_lacks_blocks_gives_its_slot_back_while_it_waits():
+    pool = lora_slot_pool(max_loras=1)
+    sched = scheduler(num_blocks=4, max_num_batched_tokens=32, lora_slots=pool)
+    base = make_sequence(distinct_prompt(13, start=100))  # 4 blocks: the pool is full
+    sched.add(base)
+    step(sched)
+    with_x = make_sequence(distinct_prompt(3, start=200), lora=adapter("x"))
+    sched.add(with_x)
+    step(sched)
+    assert list(sched.waiting) == [with_x] and pool.pins == [0] and with_x.lora_slot == -1
+    sched.finish(base)
+    assert planned(step(sched)) == [(with_x, 3)] and pool.pins == [1]
+
+
+def test_a_preempted_lora_sequence_gives_its_slot_back():
+    pool = lora_slot_pool(max_loras=1)
+    sched = scheduler(num_blocks=4, max_num_batched_tokens=32, lora_slots=pool)
+    base, with_x = make_sequence(distinct_prompt(8, start=100)), make_sequence(distinct_prompt(8, start=200),
+                                                                               lora=adapter("x"))
+    sched.add(base)
+    sched.add(with_x)
+    step(sched)  # two full blocks each
+    assert pool.pins == [1]
+    assert planned(step(sched)) == [(base, 1)]  # base's 9th token took the blocks of the newer with_x
+    assert sched.num_preemptions == 1 and pool.pins == [0] and with_x.lora_slot == -1
+
+
+def test_num_waiting_requests_counts_requests_not_choices():
+    sched = scheduler()
+    seq = make_sequence(distinct_prompt(3, start=100), SamplingParams(n=2))
+    sibling = Sequence(seq.request, 1, seq.generator)
+    sched.add(seq)
+    sched.add(sibling)
+    assert len(sched.waiting) == 2 and sched.num_waiting_requests() == 1
