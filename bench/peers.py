@@ -286,4 +286,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the servers are stopped by then
+        sys.exit(130)
