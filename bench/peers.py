@@ -32,14 +32,15 @@ from pathlib import Path
 import httpx
 import torch
 
-from throughput import Run, cpu_description, engine_run, median_ms, streaming_run  # bench/ is the script's directory
+# bench/ is the script's directory; importing throughput puts the repository and tests/ on the path
+from throughput import Run, cpu_description, engine_run, median_ms, streaming_run
 
-from backend.config import EngineConfig  # noqa: E402  (throughput put the repository on the path)
-from backend.launcher import answers_ok  # noqa: E402
-from backend.llm_engine import LLMEngine  # noqa: E402
-from backend.model_files import default_gguf_path, prepare_default_model  # noqa: E402
-from stack_helpers import free_ports, running_stack  # noqa: E402
-from tritonllm.scale_out import Child  # noqa: E402
+from backend.config import EngineConfig
+from backend.launcher import answers_ok
+from backend.llm_engine import LLMEngine
+from backend.model_files import default_gguf_path, prepare_default_model
+from stack_helpers import free_ports, running_stack
+from tritonllm.scale_out import Child
 
 OURS = "tritonllm serve"
 IN_PROCESS = "tritonllm in-process"
