@@ -56,10 +56,16 @@ class Run:
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    errors: int = 0  # requests that failed or returned other than the tokens asked for
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens per second of one stream once its first token is out (1 / mean ITL)."""
+        return len(self.itl) / sum(self.itl) if self.itl else float("nan")
 
 
 def median_ms(values: list[float]) -> float:
@@ -87,16 +93,25 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, 
                 run.tokens += chunk["usage"]["completion_tokens"]
 
 
-async def stack_run(url: str, model: str, streams: int, requests_per_stream: int, tokens: int) -> Run:
-    """`streams` clients, each sending requests_per_stream requests one after the other."""
+async def streaming_run(url: str, model: str, streams: int, requests_per_stream: int, tokens: int,
+                        label: str = "stack") -> Run:
+    """`streams` clients of an OpenAI completions API, each sending requests_per_stream requests one after the
+    other (the load generator of this file and of bench/peers.py)."""
     run = Run()
     prompts = make_prompts(streams * requests_per_stream)
-    progress = tqdm(total=len(prompts), desc=f"stack, {streams} streams", leave=False)
+    progress = tqdm(total=len(prompts), desc=f"{label}, {streams} streams", leave=False)
     async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=streams + 4)) as client:
         async def client_loop(index: int) -> None:
             for prompt in prompts[index::streams]:
                 per_request = Run()
-                await _stream(client, url, model, prompt, tokens, per_request)
+                try:
+                    await _stream(client, url, model, prompt, tokens, per_request)
+                except httpx.HTTPError as error:
+                    progress.write(f"{label}: request failed: {error!r}")
+                    per_request.errors = 1
+                if per_request.tokens != tokens:
+                    per_request.errors = 1
+                run.errors += per_request.errors
                 run.tokens += per_request.tokens
                 run.ttft += per_request.ttft
                 run.itl += per_request.itl
@@ -173,14 +188,16 @@ def main() -> None:
     stack: dict[int, Run] = {}
     if args.url:
         model = httpx.get(f"{args.url}/models", timeout=10).json()["data"][0]["id"]
-        stack = {n: asyncio.run(stack_run(args.url, model, n, args.requests_per_stream, args.tokens)) for n in levels}
+        stack = {n: asyncio.run(streaming_run(args.url, model, n, args.requests_per_stream, args.tokens))
+                 for n in levels}
     else:
         with tempfile.TemporaryDirectory() as state, running_stack(
                 model_dir, Path(state), "--weight-format", args.weight_format, "--max-num-seqs", str(max(levels)),
                 "--kv-cache-memory", "1GiB") as process:
             url, model = process.stack.base_url, process.stack.model_name
-            asyncio.run(stack_run(url, model, 1, 1, 8))  # warm-up
-            stack = {n: asyncio.run(stack_run(url, model, n, args.requests_per_stream, args.tokens)) for n in levels}
+            asyncio.run(streaming_run(url, model, 1, 1, 8))  # warm-up
+            stack = {n: asyncio.run(streaming_run(url, model, n, args.requests_per_stream, args.tokens))
+                     for n in levels}
 
     engine = LLMEngine(EngineConfig(model_path=str(model_dir), weight_format=args.weight_format,
                                     max_num_seqs=max(levels)))
@@ -191,11 +208,11 @@ def main() -> None:
     generate = generate_run(model_dir, args.generate_requests, args.tokens)
 
     print(f"\n{args.tokens} tokens per request, temperature 0.7, streaming clients")
-    print(f"{'':<28} {'tok/s':>8} {'per stream':>11} {'TTFT p50':>9} {'ITL p50':>8}")
+    print(f"{'':<28} {'tok/s':>8} {'per stream':>11} {'TTFT p50':>9} {'ITL p50':>8} {'errors':>7}")
     for n in levels:
         for name, run in ((f"stack, {n} streams", stack[n]), (f"in-process, batch {n}", in_process[n])):
             print(f"{name:<28} {run.rate:>8.1f} {run.rate / n:>11.1f} {median_ms(run.ttft):>7.0f}ms "
-                  f"{median_ms(run.itl):>6.1f}ms")
+                  f"{median_ms(run.itl):>6.1f}ms {run.errors:>7}")
     print(f"{'transformers generate':<28} {generate.rate:>8.1f} {generate.rate:>11.1f}")
     print("\nratios")
     for n in levels:
