@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from backend.interface.errors import InvalidRequest
-from backend.interface.parameters import CONSTRAINTS, SamplingParams
+from backend.interface.parameters import CONSTRAINTS, PARAMETERS, SamplingParams
 from openai_adapter.concurrency import merge
 from openai_adapter.echo import Echo, echo_from_prompt_logprobs, echo_prompt_logprobs
 from openai_adapter.errors import (
@@ -29,6 +29,7 @@ from openai_adapter.protocol import (
     CompletionChoice,
     CompletionResponse,
     GenerationRequest,
+    SPELLED_OTHERWISE,
     PromptTokensDetails,
     SglExt,
     StreamOptions,
@@ -43,56 +44,32 @@ def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
     return max((k for k in (echo_prompt_logprobs(request), request.prompt_logprobs) if k is not None), default=None)
 
 
-def sampling_parameters(request: GenerationRequest) -> dict:
-    """The engine's `sampling_parameters` JSON for a request (the same for each of its prompts)."""
-    parameters = {
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "top_k": request.top_k,
-        "min_p": request.min_p,
-        "n": request.n,
-        "ignore_eos": request.ignore_eos,
-        "min_tokens": request.min_tokens,
-        "skip_special_tokens": request.skip_special_tokens,
+def engine_parameters(request: GenerationRequest) -> SamplingParams:
+    """The request's engine sampling parameters, every declared one (lora_path aside: it is each prompt's own),
+    checked by their declaration: a value the engine would refuse is a 400 here with the same message, naming the
+    parameter as the client spelled it."""
+    values = {name: getattr(request, name) for name in PARAMETERS if name not in SPELLED_OTHERWISE}
+    values |= {
+        "logprobs": request.engine_logprobs(),
+        "prompt_logprobs": engine_prompt_logprobs(request),
+        "return_prompt_hidden_states": request.return_hidden_states and request.echo,
     }
-    # The others go only when they differ from their neutral value (the engine's default), which keeps
-    # requests that do not use them as plain as before. Absent max_tokens: up to the end of the context.
-    optional = {
-        "max_tokens": (request.max_tokens, None),
-        "seed": (request.seed, None),
-        "best_of": (request.best_of, None),
-        "frequency_penalty": (request.frequency_penalty, 0.0),
-        "presence_penalty": (request.presence_penalty, 0.0),
-        "repetition_penalty": (request.repetition_penalty, 1.0),
-        "logit_bias": (request.logit_bias, {}),
-        "allowed_token_ids": (request.allowed_token_ids or [], []),
-        "stop": (request.stop_strings(), []),
-        "stop_regex": (request.stop_regexes(), []),
-        "stop_token_ids": (request.stop_token_ids, []),
-        "no_stop_trim": (request.no_stop_trim, False),
-        "logprobs": (request.engine_logprobs(), None),
-        "prompt_logprobs": (engine_prompt_logprobs(request), None),
-        "cache_salt": (request.cache_salt, None),
-        "return_hidden_states": (request.return_hidden_states, False),
-        "return_prompt_hidden_states": (request.return_hidden_states and request.echo, False),
-        "return_routed_experts": (request.return_routed_experts, False),
-    }
-    parameters.update({name: value for name, (value, neutral) in optional.items() if value != neutral})
-    constraint = request.constraint()
+    constraint = request.constraint()  # more than one → 400
     if constraint is not None:
-        parameters[constraint.engine_field] = constraint.text
-    return parameters
-
-
-def check_parameters(request: GenerationRequest) -> None:
-    """The engine's own checks of the request's sampling parameters, so a value the engine would refuse is a
-    400 here with the same message, naming the parameter as the client spelled it."""
+        values[constraint.engine_field] = constraint.text
     try:
-        params = SamplingParams.from_dict(sampling_parameters(request))
+        params = SamplingParams.from_dict(values)
         if request.stream:
             params.check_streamable()
     except InvalidRequest as error:
         raise invalid_request(error.message, _api_name(request, error.param)) from None
+    return params
+
+
+def sampling_parameters(request: GenerationRequest) -> dict:
+    """The engine's `sampling_parameters` JSON for a request (the same for each of its prompts): the parameters
+    that differ from the engine's defaults, which keeps requests that use few of them plain."""
+    return engine_parameters(request).non_defaults()
 
 
 def _api_name(request: GenerationRequest, engine_field: str | None) -> str | None:
@@ -286,9 +263,9 @@ class CompletionService:
 
     async def complete(self, request: GenerationRequest) -> CompletionResponse:
         """A whole (non-streamed) completion."""
-        adapters = self._validate(request)
+        parameters = self._prompt_parameters(request)
         assembler = CompletionAssembler(request)
-        async with aclosing(self._responses(request, adapters, assembler.id)) as responses:
+        async with aclosing(self._responses(request, parameters, assembler.id)) as responses:
             async for prompt_index, chunk in responses:
                 assembler.add(prompt_index, chunk)
         return assembler.response()
@@ -296,10 +273,10 @@ class CompletionService:
     async def stream(self, request: GenerationRequest) -> AsyncIterator[CompletionResponse]:
         """The chunks of a streamed completion, one choice each (as OpenAI, vLLM and SGLang: clients read
         `choices[0]`); each choice gets exactly one chunk with a finish reason."""
-        adapters = self._validate(request)
+        parameters = self._prompt_parameters(request)
         assembler = CompletionAssembler(request)
         options = request.stream_options or StreamOptions()
-        async with aclosing(self._responses(request, adapters, assembler.id)) as responses:
+        async with aclosing(self._responses(request, parameters, assembler.id)) as responses:
             async for prompt_index, chunk in responses:
                 for choice in assembler.add(prompt_index, chunk):
                     yield assembler.chunk([choice], assembler.usage() if options.continuous_usage_stats else None)
@@ -309,14 +286,14 @@ class CompletionService:
         if options.include_usage:
             yield assembler.chunk([], assembler.usage())
 
-    def _validate(self, request: GenerationRequest) -> list[str | None]:
-        """Refuse what the schema accepts but this service cannot do (yet); returns each prompt's LoRA adapter."""
+    def _prompt_parameters(self, request: GenerationRequest) -> list[dict]:
+        """Each prompt's `sampling_parameters` (they differ by LoRA adapter only); refuses what the schema accepts
+        but the engine or this service cannot do (yet)."""
         adapters = self._adapters(request)
         unsupported = request.unsupported_parameter()
         if unsupported is not None:
             raise unsupported_parameter(unsupported)
-        request.constraint()  # more than one → 400
-        check_parameters(request)
+        parameters = sampling_parameters(request)
         if request.stream and request.prompt_logprobs is not None:  # vLLM's rule: chunks carry none
             raise invalid_request("prompt_logprobs cannot be streamed: set stream to false.", "prompt_logprobs")
         if request.suffix:
@@ -324,7 +301,7 @@ class CompletionService:
                 f"suffix is not supported: the model '{self._served_model_name}' has no fill-in-the-middle support.",
                 "suffix",
             )
-        return adapters
+        return [parameters if adapter is None else {**parameters, "lora_path": adapter} for adapter in adapters]
 
     def _adapters(self, request: GenerationRequest) -> list[str | None]:
         """Each prompt's LoRA adapter (None: the base model), from `model: "<served>:<adapter>"` or `lora_path`.
@@ -347,19 +324,18 @@ class CompletionService:
         return [path or None for path in lora_path]
 
     async def _responses(
-        self, request: GenerationRequest, adapters: list[str | None], completion_id: str
+        self, request: GenerationRequest, prompt_parameters: list[dict], completion_id: str
     ) -> AsyncIterator[tuple[int, TritonChunk]]:
         """Responses of all the prompts' Triton requests, run concurrently, tagged with the prompt index."""
-        parameters = sampling_parameters(request)
         calls = [
             self._triton.generate(
                 prompt,
-                parameters if adapter is None else {**parameters, "lora_path": adapter},
+                parameters,
                 stream=request.stream,
                 return_logprobs=request.engine_logprobs() is not None,
                 request_id=f"{completion_id}-{prompt_index}",
             )
-            for prompt_index, (prompt, adapter) in enumerate(zip(request.prompts(), adapters))
+            for prompt_index, (prompt, parameters) in enumerate(zip(request.prompts(), prompt_parameters))
         ]
         try:
             async with aclosing(merge(calls)) as responses:

@@ -111,6 +111,8 @@ def from_validation_error(error: ValidationError) -> AdapterError:
     param = str(first["loc"][0]) if first["loc"] else None
     if first["type"] == "missing":
         return invalid_request(f"Missing required parameter '{param}'.", param)
+    if first["type"] == "extra_forbidden":  # OpenAI's wording for a field it does not know
+        return invalid_request(f"Unrecognized request argument supplied: {param}", param)
     reason = first["msg"].removeprefix("Value error, ")
     if param is None:
         return invalid_request(f"Invalid request body: {reason}")

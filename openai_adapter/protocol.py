@@ -10,15 +10,17 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
 )
 
-from backend.interface.parameters import MAX_TOKEN_ID, PARAMETERS, SamplingParams
+from backend.interface.parameters import CONSTRAINTS, MAX_TOKEN_ID, PARAMETERS, Parameter
 from backend.interface.tensors import CHAT_ROLES, message_text
 from openai_adapter.errors import from_validation_error, invalid_request
 
@@ -27,17 +29,40 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 def engine_field(name: str, default: Any = dataclasses.MISSING) -> Any:
-    """A field for the engine's sampling parameter `name`: its default (unless given) and, for the OpenAPI
+    """A field for the engine's sampling parameter `name`: its declared default (unless given) and, for the OpenAPI
     description only, its documented range; the values are checked by the declaration itself."""
     parameter = PARAMETERS[name]
-    if default is dataclasses.MISSING:
-        declared = SamplingParams.__dataclass_fields__[name]
-        default = declared.default if declared.default_factory is dataclasses.MISSING else declared.default_factory()
     limits = {key: value for key, value in (("minimum", parameter.minimum), ("maximum", parameter.maximum))
               if value is not None and parameter.special is None}
     if parameter.exclusive_minimum and "minimum" in limits:
         limits["exclusiveMinimum"] = limits.pop("minimum")
-    return Field(default, description=parameter.doc, json_schema_extra=limits or None)
+    return Field(parameter.default if default is dataclasses.MISSING else default, description=parameter.doc,
+                 json_schema_extra=limits or None)
+
+
+SPELLED_OTHERWISE = ("logprobs", "prompt_logprobs", *CONSTRAINTS, "lora_path", "return_prompt_hidden_states")
+"""The engine parameters a request spells its own way (completions.engine_parameters turns them into the engine's):
+chat's logprobs is a flag beside top_logprobs, echo may need prompt logprobs, the constraints come from
+StructuredOutputParameters, lora_path may name one adapter per prompt, and echo with return_hidden_states asks for
+the prompt's hidden states. Every other engine parameter is a request field of its own name, made below from its
+declaration, so the adapter cannot forget one."""
+
+_API_TYPES = {"int": int, "float": float, "bool": bool, "string": str, "json": str | dict[str, Any],
+              "strings": str | list[str], "token_ids": list[int], "logit_bias": dict[str, float]}
+"""What a request may send for a parameter of each kind (the declaration then casts and checks it)."""
+
+
+def _api_type(parameter: Parameter) -> Any:
+    api_type = _API_TYPES[parameter.kind]
+    return api_type | None if parameter.nullable else api_type
+
+
+EngineParameters = create_model(
+    "EngineParameters",
+    __doc__="The engine's sampling parameters that a request sends under their own names (see SPELLED_OTHERWISE).",
+    **{name: (_api_type(parameter), engine_field(name))
+       for name, parameter in PARAMETERS.items() if name not in SPELLED_OTHERWISE},
+)
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 """One text, a batch of texts, one tokenized prompt, or a batch of tokenized prompts."""
@@ -196,64 +221,39 @@ class StructuredOutputParameters(BaseModel):
         return found
 
 
-class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, NullMeansDefault):
-    """What completion and chat requests share: the model, sampling, stops and streaming.
+class IgnoredParameters(BaseModel):
+    """Fields that clients written for other servers send and that mean nothing here: accepted (their type
+    checked) and ignored. Any other unknown field is a 400 naming it, as in OpenAI's API, so a misspelt or
+    unimplemented parameter is never dropped silently."""
 
-    Unknown fields are ignored (SDKs send extra_body fields as they are)."""
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring (openai SDK `user=`, LangChain, LiteLLM)
+    safety_identifier: str | None = None  # OpenAI's newer name for `user`
+    metadata: dict[str, str] | None = None  # OpenAI's tags of a stored completion (sent beside `store`)
+    store: bool | None = None  # OpenAI's stored completions (LangChain's ChatOpenAI `store`)
+    service_tier: str | None = None  # OpenAI's processing tier (LangChain's ChatOpenAI `service_tier`)
+    prompt_cache_key: str | None = None  # OpenAI's prompt-cache routing hint (openai-agents, Codex CLI); the
+    # prefix cache here needs none
 
+
+class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, EngineParameters, IgnoredParameters,
+                      NullMeansDefault):
+    """What completion and chat requests share: the model, the engine's sampling parameters, streaming."""
+
+    model_config = ConfigDict(extra="forbid")
     NULL_IS_A_VALUE: ClassVar[tuple[str, ...]] = ("max_tokens",)  # null max_tokens: up to the context's end
 
     model: str
-    max_tokens: int | None = engine_field("max_tokens")
-    temperature: float = engine_field("temperature")
-    top_p: float = engine_field("top_p")
-    top_k: int = engine_field("top_k")
-    min_p: float = engine_field("min_p")
-    frequency_penalty: float = engine_field("frequency_penalty")
-    presence_penalty: float = engine_field("presence_penalty")
-    repetition_penalty: float = engine_field("repetition_penalty")
-    logit_bias: dict[str, float] = engine_field("logit_bias")
-    n: int = engine_field("n")
     stream: bool = False
-    best_of: int | None = engine_field("best_of")
     stream_options: StreamOptions | None = None
     return_cached_tokens_details: bool = False
     """SGLang extension: add `sglext.cached_tokens_details` beside the usage."""
-    stop: str | list[str] | None = None
-    stop_regex: str | list[str] | None = None
-    """SGLang extension: stop where one of these regular expressions matches the generated text."""
-    stop_token_ids: list[int] = []
-    no_stop_trim: bool = False
-    """SGLang extension: keep the matched stop string (or stop token's text) at the end of the text."""
-    seed: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = engine_field("min_tokens")
-    skip_special_tokens: bool = True
-    user: str | None = None
-    """An end-user id for abuse monitoring in OpenAI's API; accepted and ignored."""
     lora_path: str | list[str | None] | None = None
     """SGLang extension: the LoRA adapter (its name or a path inside the server's adapters directory), or one
     per prompt (null: the base model). `model: "<served model>:<adapter>"` says the same."""
-    allowed_token_ids: list[int] | None = None
-    """vLLM extension: only these tokens may be generated."""
-    cache_salt: str | None = None
-    """vLLM and SGLang extension: requests share cached prompt prefixes only with requests of the same salt."""
-    return_hidden_states: bool = False
-    """SGLang extension: each choice gets `hidden_states`, the final hidden state (after the last norm) of each
-    generated token, and of each prompt token first with echo."""
-    return_routed_experts: bool = False
-    """SGLang extension for mixture-of-experts models: the response's `sglext.routed_experts` lists, per choice,
-    the experts each generated token was routed to in every MoE layer; the engine refuses it for dense models."""
 
     def api_name(self, engine_field: str | None) -> str | None:
         """This request's name for an engine sampling parameter."""
         return engine_field
-
-    def stop_strings(self) -> list[str]:
-        return _as_list(self.stop)
-
-    def stop_regexes(self) -> list[str]:
-        return _as_list(self.stop_regex)
 
     def unsupported_parameter(self) -> str | None:
         """The first not-yet-supported parameter set to something other than its neutral value."""
@@ -404,13 +404,6 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 """What the completion service runs."""
-
-
-def _as_list(value: str | list[str] | None) -> list[str]:
-    """One string, a list of strings or None, as a list."""
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else value
 
 
 def parse_request(body: bytes, model: type[GenerationRequest]) -> GenerationRequest:

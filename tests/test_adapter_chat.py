@@ -34,8 +34,8 @@ def test_defaults_and_sampling_parameters():
     request = _parse()
     assert request.prompts() == [MESSAGES]
     assert request.max_tokens is None and request.engine_logprobs() is None
-    parameters = sampling_parameters(request)
-    assert "max_tokens" not in parameters and "logprobs" not in parameters
+    # vLLM's and OpenAI's chat default: no max_tokens is up to the end of the context (the engine's default is 16)
+    assert sampling_parameters(request) == {"max_tokens": None}
 
 
 def test_max_completion_tokens_and_logprobs():

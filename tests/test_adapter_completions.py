@@ -69,39 +69,29 @@ async def _collect(iterator) -> list:
     return [item async for item in iterator]
 
 
-def test_sampling_parameters_carry_only_what_the_engine_needs():
+def test_sampling_parameters_carry_only_what_differs_from_the_engine_defaults():
+    assert sampling_parameters(_request()) == {}  # OpenAI's max_tokens default (16) is the engine's too
     parameters = sampling_parameters(_request(max_tokens=None, stop="\n", seed=0, top_k=5))
-    assert parameters == {
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": 5,
-        "min_p": 0.0,
-        "n": 1,
-        "ignore_eos": False,
-        "min_tokens": 0,
-        "skip_special_tokens": True,
-        "seed": 0,
-        "stop": ["\n"],
-    }
-    assert sampling_parameters(_request(max_tokens=0, logprobs=0, stop_token_ids=[7]))["max_tokens"] == 0
-    assert sampling_parameters(_request(logprobs=0))["logprobs"] == 0
-    assert "logprobs" not in sampling_parameters(_request())
+    assert parameters == {"max_tokens": None, "top_k": 5, "seed": 0, "stop": ["\n"]}  # null: up to the context end
+    assert sampling_parameters(_request(max_tokens=0, logprobs=0, stop_token_ids=[7])) == {
+        "max_tokens": 0, "logprobs": 0, "stop_token_ids": [7]}
 
 
-def test_sampling_parameters_send_new_parameters_only_when_not_neutral():
+def test_sampling_parameters_are_the_engine_casts_of_the_request_values():
     neutral = _request(best_of=None, frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1, logit_bias={},
-                       stop_regex=[], no_stop_trim=False, echo=False)
-    assert sampling_parameters(neutral) == sampling_parameters(_request())
+                       stop_regex=[], no_stop_trim=False, echo=False, temperature=1, top_p=1.0, stop=None)
+    assert sampling_parameters(neutral) == {}
     parameters = sampling_parameters(
         _request(n=2, best_of=3, frequency_penalty=0.5, presence_penalty=-1, repetition_penalty=1.2,
                  logit_bias={"007": -100, "42": 2.5}, stop_regex=r"\d+", no_stop_trim=True)
     )
-    assert {name: parameters[name] for name in parameters if name not in sampling_parameters(_request())} == {
+    assert parameters == {
+        "n": 2,
         "best_of": 3,
         "frequency_penalty": 0.5,
         "presence_penalty": -1.0,
         "repetition_penalty": 1.2,
-        "logit_bias": {"007": -100.0, "42": 2.5},  # as sent: the engine reads token ids from the keys
+        "logit_bias": {7: -100.0, 42: 2.5},  # token ids as the engine reads them (JSON keys are strings again)
         "stop_regex": [r"\d+"],
         "no_stop_trim": True,
     }

@@ -193,7 +193,7 @@ def test_suffix_is_400_naming_fill_in_the_middle(client):
         {"best_of": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0},
         {"logit_bias": {}, "suffix": None, "no_stop_trim": False, "lora_path": None},
         {"suffix": "", "return_hidden_states": False, "stop_regex": []},
-        {"some_extra_body_field": {"x": 1}, "user": "alice"},
+        {"user": "alice", "service_tier": "auto", "store": False, "metadata": {"team": "a"}},
         {"temperature": None, "n": None, "stop": None, "max_tokens": None, "logprobs": None, "best_of": None},
         {"frequency_penalty": -2, "presence_penalty": 2, "repetition_penalty": 2, "logit_bias": {"0": -100}},
         {"logit_bias": {"50256": 100, "007": 1.5}, "stop_regex": r"\d+\.", "no_stop_trim": True},
@@ -203,9 +203,27 @@ def test_suffix_is_400_naming_fill_in_the_middle(client):
         {"echo": True, "prompt": [[1, 2], [3]], "logprobs": 0, "stream": True},
     ],
 )
-def test_valid_neutral_and_unknown_fields_are_accepted(client, fields):
+def test_valid_neutral_and_ignored_fields_are_accepted(client, fields):
     # Accepted means the request got as far as Triton, which is down here.
     _error(_complete(client, **fields), 503)
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "Hello"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+])
+@pytest.mark.parametrize("field", ["some_extra_body_field", "temprature", "suffix_text"])
+def test_unknown_field_is_400_naming_it(client, route, body, field):
+    """As OpenAI: a field this server does not know is refused, not ignored (a misspelt parameter would
+    otherwise be dropped silently); a null one too."""
+    for value in ({"x": 1}, None):
+        error = _error(client.post(route, json={"model": MODEL, **body, field: value}), 400)
+        assert (error["param"], error["message"]) == (field, f"Unrecognized request argument supplied: {field}")
+
+
+@pytest.mark.parametrize("field, value", [("user", 7), ("store", "maybe"), ("metadata", ["a"])])
+def test_ignored_fields_still_have_their_type_checked(client, field, value):
+    assert _error(_complete(client, **{field: value}), 400)["param"] == field
 
 
 @pytest.mark.parametrize("stream", [False, True])

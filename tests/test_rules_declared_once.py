@@ -1,6 +1,7 @@
 """Each rule the adapter and the engine share is declared once (backend/interface); these tests walk the
-declarations and check that both sides apply them alike: request parameters at their boundary values, the
-streaming rule, chat roles, LoRA adapter names, error kinds across the wire, engine settings."""
+declarations and check that both sides apply them alike: every request parameter reaches the engine through the
+adapter, parameters at their boundary values, the streaming rule, chat roles, LoRA adapter names, error kinds
+across the wire, engine settings."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import pytest
 from backend.interface import errors, tensors
 from backend.interface.errors import ErrorKind, InvalidRequest
 from backend.interface.lora_names import available_adapters, resolve_adapter
-from backend.interface.parameters import PARAMETERS
-from backend.triton_io import parse_request
-from openai_adapter.completions import check_parameters
+from backend.interface.parameters import PARAMETERS, Parameter, SamplingParams
+from backend.triton_io import ParsedRequest, parse_request
+from openai_adapter.completions import CompletionService, engine_parameters
 from openai_adapter.errors import AdapterError
 from openai_adapter.models import available_adapters as adapter_listing
-from openai_adapter.protocol import ChatCompletionRequest, CompletionRequest
-from openai_adapter.triton_client import _error_from_message
+from openai_adapter.protocol import SPELLED_OTHERWISE, ChatCompletionRequest, CompletionRequest
+from openai_adapter.triton_client import _error_from_message, _request_inputs
+from tritonclient.grpc import InferInput
+from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
 
 def _engine(values: dict, stream: bool = False) -> str | None:
@@ -35,12 +38,104 @@ def _engine(values: dict, stream: bool = False) -> str | None:
 
 def _adapter(body: dict, request_type=CompletionRequest) -> tuple[str | None, str | None]:
     """The adapter's verdict on a body: None or (message, param)."""
+    prompt = {"prompt": "Hi"} if request_type is CompletionRequest else {}
     try:
-        check_parameters(request_type.model_validate({"model": "m", "prompt": "Hi", **body}))
+        engine_parameters(request_type.model_validate({"model": "m", **prompt, **body}))
         return None
     except AdapterError as error:
         assert error.status_code == 400
         return error.message, error.param
+
+
+def _engine_request(inputs: list[InferInput]) -> ParsedRequest:
+    """What the engine makes of the tensors the adapter sends, decoded as tritonserver hands them to model.py."""
+    arrays = {}
+    for tensor in inputs:
+        raw = tensor._get_content()
+        array = deserialize_bytes_tensor(raw) if tensor.datatype() == "BYTES" else \
+            np.frombuffer(raw, triton_to_np_dtype(tensor.datatype()))
+        arrays[tensor.name()] = array.reshape(tensor.shape())
+    return parse_request(arrays)
+
+
+class _Sent(Exception):
+    """The adapter sent its Triton request (the test needs no answer)."""
+
+
+class EngineSide:
+    """Stands in for TritonClient.generate: the adapter's real request tensors, parsed by the engine's parser."""
+
+    def __init__(self) -> None:
+        self.requests: list[ParsedRequest] = []
+
+    async def generate(self, prompt, sampling_parameters, *, stream, return_logprobs, request_id):
+        self.requests.append(_engine_request(_request_inputs(prompt, sampling_parameters, stream, return_logprobs)))
+        raise _Sent
+        yield  # (an async generator, like TritonClient.generate)
+
+
+async def _engine_params(request_type, body: dict) -> SamplingParams:
+    """The SamplingParams the engine gets for a request body sent through the adapter."""
+    prompt = {"prompt": "Hi"} if request_type is CompletionRequest else {"messages": [{"role": "user", "content": "Hi"}]}
+    request = request_type.model_validate({"model": "m", **prompt, **body})
+    engine = EngineSide()
+    with pytest.raises(_Sent):
+        await CompletionService(engine, "m", lora_enabled=True).complete(request)
+    [sent] = engine.requests
+    return sent.params
+
+
+def _non_default(parameter: Parameter):
+    """A value of a parameter sent under its own name, other than its default, that passes its checks alone."""
+    if parameter.kind == "bool":
+        return not parameter.default
+    if parameter.kind == "int":
+        return (parameter.minimum or 0) + 2
+    if parameter.kind == "float":
+        return (parameter.minimum + 3 * parameter.maximum) / 4
+    return {"strings": ["x"], "token_ids": [5], "logit_bias": {"5": 1.5}, "string": "x",
+            "json": '{"type": "object"}'}[parameter.kind]
+
+
+STRUCTURAL_TAG = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
+SPELLINGS = {
+    # engine parameter spelled otherwise → (completions body, chat body or None: chat has none; the engine's value)
+    "logprobs": ({"logprobs": 2}, {"logprobs": True, "top_logprobs": 2}, 2),
+    "prompt_logprobs": ({"prompt_logprobs": 3}, None, 3),
+    "json_schema": ({"response_format": {"type": "json_object"}}, ..., '{"type": "object"}'),
+    "regex": ({"guided_regex": "[a-z]+"}, ..., "[a-z]+"),
+    "ebnf": ({"guided_choice": ["yes", "no"]}, ..., 'start: "yes" | "no"'),
+    "structural_tag": ({"response_format": {"type": "structural_tag", **STRUCTURAL_TAG}}, ...,
+                       json.dumps({"type": "structural_tag", **STRUCTURAL_TAG})),
+    "lora_path": ({"lora_path": "team/sql"}, ..., "team/sql"),
+    "return_prompt_hidden_states": ({"return_hidden_states": True, "echo": True}, None, True),
+}
+
+
+def _walk(chat: bool) -> list:
+    cases = []
+    for name, parameter in PARAMETERS.items():
+        if name in SPELLED_OTHERWISE:
+            completion_body, chat_body, expected = SPELLINGS[name]
+            body = completion_body if not chat or chat_body is ... else chat_body
+        else:
+            body = {name: _non_default(parameter)}
+            expected = getattr(SamplingParams.from_dict(body), name)  # the engine's cast of the value
+        if body is not None:
+            cases.append(pytest.param(name, body, expected, id=name))
+    return cases
+
+
+@pytest.mark.parametrize("name, body, expected", _walk(chat=False))
+async def test_every_parameter_reaches_the_engine_from_a_completion(name, body, expected):
+    params = await _engine_params(CompletionRequest, body)
+    assert expected != PARAMETERS[name].default and getattr(params, name) == expected
+
+
+@pytest.mark.parametrize("name, body, expected", _walk(chat=True))
+async def test_every_parameter_reaches_the_engine_from_a_chat(name, body, expected):
+    params = await _engine_params(ChatCompletionRequest, body)
+    assert expected != PARAMETERS[name].default and getattr(params, name) == expected
 
 
 def _boundary_cases() -> list:

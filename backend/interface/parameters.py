@@ -1,5 +1,6 @@
-"""The request parameters, declared once: name, type, default, valid range, the API spellings that set them,
-and the error each violation gives. The engine parses `sampling_parameters` JSON with `SamplingParams.from_dict`
+"""The request parameters, declared once, each by its `SamplingParams` field: name, type, default, valid range,
+the API spellings that set them, and the error each violation gives (`PARAMETERS` is made from the fields; the
+adapter's request fields and the values it sends are made from `PARAMETERS`). The engine parses `sampling_parameters` JSON with `SamplingParams.from_dict`
 and the OpenAI adapter validates the same dict with it before sending, so both sides accept and refuse exactly
 the same values with the same messages.
 
@@ -7,9 +8,11 @@ Triton clients (vllm_backend convention) may send numbers and booleans as string
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from types import UnionType
+from typing import Any, NewType, Union, get_args, get_origin, get_type_hints
 
 import regex  # like `re`, plus partial matching (stop_regex text is held back while it may still match)
 
@@ -19,17 +22,26 @@ MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1  # Triton's input_ids tensor is INT32
 CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")  # at most one per request
 
+JsonText = NewType("JsonText", str)
+"""A JSON object as text; clients may send the object itself."""
+
+_KINDS = {int: "int", float: "float", bool: "bool", str: "string", JsonText: "json", list[str]: "strings",
+          list[int]: "token_ids", dict[int, float]: "logit_bias"}
+"""How a value is cast, by the type of its SamplingParams field."""
+
 
 @dataclass(frozen=True)
 class Parameter:
-    """One sampling parameter. `kind` says how a value is cast: int, float, bool, string, strings (a string or a
-    list of them), token_ids (a list of ids), logit_bias (token id → bias), json (an object, or a JSON string of
-    one). Numbers must lie in [minimum, maximum] (an open end when exclusive), or equal `special`."""
+    """One sampling parameter, as its SamplingParams field declares it. `kind` (from the field's type) says how a
+    value is cast: int, float, bool, string, strings (a string or a list of them), token_ids (a list of ids),
+    logit_bias (token id → bias), json (an object, or a JSON string of one). Numbers must lie in [minimum,
+    maximum] (an open end when exclusive), or equal `special`."""
 
     name: str
     kind: str
+    default: Any  # the value of an absent parameter
+    nullable: bool  # null is a value of its own (the field's type admits None; e.g. max_tokens: up to the context)
     doc: str
-    nullable: bool = False  # null is a value of its own (e.g. max_tokens: up to the context length)
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
@@ -54,52 +66,18 @@ class Parameter:
         return self.maximum is None or value <= self.maximum
 
 
-_PARAMETERS = (
-    Parameter("max_tokens", "int", "tokens to generate; null: up to the end of the context", nullable=True,
-              minimum=0, api_names=("max_completion_tokens",)),
-    Parameter("temperature", "float", "0: greedy", minimum=0.0, maximum=2.0),
-    Parameter("top_p", "float", "nucleus sampling mass", minimum=0.0, maximum=1.0, exclusive_minimum=True),
-    Parameter("top_k", "int", "sample among the k most likely tokens", minimum=1, special=-1),
-    Parameter("min_p", "float", "drop tokens below min_p times the most likely one's probability",
-              minimum=0.0, maximum=1.0),
-    Parameter("seed", "int", "seed of the choice's random draws (choice i uses seed + i)", nullable=True),
-    Parameter("n", "int", "choices returned", minimum=1),
-    Parameter("best_of", "int", "choices generated, the n most likely returned; null: n", nullable=True,
-              minimum=1),
-    Parameter("stop", "strings", "stop strings (not part of the output unless no_stop_trim)"),
-    Parameter("stop_regex", "strings", "regular expressions (`regex` module syntax) that stop the output"),
-    Parameter("stop_token_ids", "token_ids", "token ids that stop the output"),
-    Parameter("no_stop_trim", "bool", "keep the matched stop string or stop token's text in the output"),
-    Parameter("ignore_eos", "bool", "keep generating after EOS"),
-    Parameter("min_tokens", "int", "tokens generated before EOS, stop tokens and stop strings apply", minimum=0),
-    Parameter("skip_special_tokens", "bool", "leave special tokens out of the text"),
-    Parameter("frequency_penalty", "float", "OpenAI's, over output tokens", minimum=-2.0, maximum=2.0),
-    Parameter("presence_penalty", "float", "OpenAI's, over output tokens", minimum=-2.0, maximum=2.0),
-    Parameter("repetition_penalty", "float", "over prompt and output tokens (divides positive logits)",
-              minimum=0.0, maximum=2.0, exclusive_minimum=True),
-    Parameter("logit_bias", "logit_bias", "token id → bias added to its logit", minimum=-100.0, maximum=100.0),
-    Parameter("allowed_token_ids", "token_ids", "only these tokens may be generated (vLLM's); empty: any"),
-    Parameter("logprobs", "int", "alternatives per generated token with logprobs; null: no logprobs",
-              nullable=True, minimum=0, maximum=MAX_LOGPROBS, api_names=("top_logprobs",)),
-    Parameter("prompt_logprobs", "int", "logprobs of the prompt tokens, with this many alternatives",
-              nullable=True, minimum=0, maximum=MAX_LOGPROBS),
-    Parameter("json_schema", "json", "constrain the output to a JSON schema", nullable=True,
-              api_names=("response_format", "guided_json")),
-    Parameter("regex", "string", "constrain the whole output to match a regular expression", nullable=True,
-              api_names=("guided_regex",)),
-    Parameter("ebnf", "string", "constrain the output to a Lark or GBNF grammar", nullable=True,
-              api_names=("guided_grammar", "guided_choice")),
-    Parameter("structural_tag", "json", "SGLang's structural tag: free text in which each trigger starts one of "
-              "the structures (begin, JSON per its schema, end)", nullable=True, api_names=("response_format",)),
-    Parameter("lora_path", "string", "LoRA adapter: its name or a path inside the adapters directory",
-              nullable=True),
-    Parameter("cache_salt", "string", "requests share cached prompt prefixes only with requests of the same salt "
-              "(vLLM's and SGLang's; e.g. one per tenant)", nullable=True),
-    Parameter("return_hidden_states", "bool", "each generated token's final hidden state"),
-    Parameter("return_prompt_hidden_states", "bool", "each prompt token's final hidden state too (echo)"),
-    Parameter("return_routed_experts", "bool", "MoE models: each generated token's experts per layer"),
-)
-PARAMETERS: dict[str, Parameter] = {parameter.name: parameter for parameter in _PARAMETERS}
+_DECLARATION = "parameter"  # the key of a SamplingParams field's metadata that holds the rest of its declaration
+
+
+def parameter(default: Any, doc: str, *, minimum: float | None = None, maximum: float | None = None,
+              exclusive_minimum: bool = False, special: int | None = None, api_names: tuple[str, ...] = ()) -> Any:
+    """A SamplingParams field: its default and what else a Parameter holds (name, kind and nullable come from
+    the field itself)."""
+    declaration = {"doc": doc, "minimum": minimum, "maximum": maximum, "exclusive_minimum": exclusive_minimum,
+                   "special": special, "api_names": api_names}
+    if isinstance(default, (list, dict)):  # (only empty ones: a fresh one per request)
+        return field(default_factory=type(default), metadata={_DECLARATION: declaration})
+    return field(default=default, metadata={_DECLARATION: declaration})
 
 
 def _fail(parameter: Parameter, message: str) -> InvalidRequest:
@@ -194,39 +172,54 @@ def _cast(parameter: Parameter, value: Any) -> Any:
 
 @dataclass
 class SamplingParams:
-    """One request's generation parameters (defaults: an absent parameter); fields are PARAMETERS' names."""
+    """One request's generation parameters, each field the declaration of one (PARAMETERS is made from them)."""
 
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    n: int = 1
-    best_of: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_regex: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    no_stop_trim: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    allowed_token_ids: list[int] = field(default_factory=list)
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
-    lora_path: str | None = None
-    cache_salt: str | None = None
-    return_hidden_states: bool = False
-    return_prompt_hidden_states: bool = False
-    return_routed_experts: bool = False
+    max_tokens: int | None = parameter(16, "tokens to generate; null: up to the end of the context", minimum=0,
+                                       api_names=("max_completion_tokens",))
+    temperature: float = parameter(1.0, "0: greedy", minimum=0.0, maximum=2.0)
+    top_p: float = parameter(1.0, "nucleus sampling mass", minimum=0.0, maximum=1.0, exclusive_minimum=True)
+    top_k: int = parameter(-1, "sample among the k most likely tokens", minimum=1, special=-1)
+    min_p: float = parameter(0.0, "drop tokens below min_p times the most likely one's probability", minimum=0.0,
+                             maximum=1.0)
+    seed: int | None = parameter(None, "seed of the choice's random draws (choice i uses seed + i)")
+    n: int = parameter(1, "choices returned", minimum=1)
+    best_of: int | None = parameter(None, "choices generated, the n most likely returned; null: n", minimum=1)
+    stop: list[str] = parameter([], "stop strings (not part of the output unless no_stop_trim)")
+    stop_regex: list[str] = parameter([], "regular expressions (`regex` module syntax) that stop the output "
+                                      "(SGLang's)")
+    stop_token_ids: list[int] = parameter([], "token ids that stop the output")
+    no_stop_trim: bool = parameter(False, "keep the matched stop string or stop token's text in the output "
+                                   "(SGLang's)")
+    ignore_eos: bool = parameter(False, "keep generating after EOS")
+    min_tokens: int = parameter(0, "tokens generated before EOS, stop tokens and stop strings apply", minimum=0)
+    skip_special_tokens: bool = parameter(True, "leave special tokens out of the text")
+    frequency_penalty: float = parameter(0.0, "OpenAI's, over output tokens", minimum=-2.0, maximum=2.0)
+    presence_penalty: float = parameter(0.0, "OpenAI's, over output tokens", minimum=-2.0, maximum=2.0)
+    repetition_penalty: float = parameter(1.0, "over prompt and output tokens (divides positive logits)",
+                                          minimum=0.0, maximum=2.0, exclusive_minimum=True)
+    logit_bias: dict[int, float] = parameter({}, "token id → bias added to its logit", minimum=-100.0,
+                                             maximum=100.0)
+    allowed_token_ids: list[int] = parameter([], "only these tokens may be generated (vLLM's); empty: any")
+    logprobs: int | None = parameter(None, "alternatives per generated token with logprobs; null: no logprobs",
+                                     minimum=0, maximum=MAX_LOGPROBS, api_names=("top_logprobs",))
+    prompt_logprobs: int | None = parameter(None, "logprobs of the prompt tokens, with this many alternatives "
+                                            "(vLLM's)", minimum=0, maximum=MAX_LOGPROBS)
+    json_schema: JsonText | None = parameter(None, "constrain the output to a JSON schema",
+                                             api_names=("response_format", "guided_json"))
+    regex: str | None = parameter(None, "constrain the whole output to match a regular expression",
+                                  api_names=("guided_regex",))
+    ebnf: str | None = parameter(None, "constrain the output to a Lark or GBNF grammar",
+                                 api_names=("guided_grammar", "guided_choice"))
+    structural_tag: JsonText | None = parameter(None, "SGLang's structural tag: free text in which each trigger "
+                                                "starts one of the structures (begin, JSON per its schema, end)",
+                                                api_names=("response_format",))
+    lora_path: str | None = parameter(None, "LoRA adapter: its name or a path inside the adapters directory")
+    cache_salt: str | None = parameter(None, "requests share cached prompt prefixes only with requests of the "
+                                       "same salt (vLLM's and SGLang's; e.g. one per tenant)")
+    return_hidden_states: bool = parameter(False, "each generated token's final hidden state (SGLang's)")
+    return_prompt_hidden_states: bool = parameter(False, "each prompt token's final hidden state too (echo)")
+    return_routed_experts: bool = parameter(False, "MoE models: each generated token's experts per layer "
+                                            "(SGLang's)")
 
     @property
     def greedy(self) -> bool:
@@ -296,5 +289,20 @@ class SamplingParams:
             raise InvalidRequest("best_of > n cannot be streamed: the best choices are known only at the end",
                                  "best_of")
 
+    def non_defaults(self) -> dict[str, Any]:
+        """The parameters that differ from their defaults: all that `sampling_parameters` must carry to mean these
+        parameters (JSON-ready)."""
+        values = {name: getattr(self, name) for name in PARAMETERS}
+        return {name: value for name, value in values.items() if value != PARAMETERS[name].default}
 
-assert [f.name for f in fields(SamplingParams)] == list(PARAMETERS), "SamplingParams and PARAMETERS disagree"
+
+def _declared(spec: dataclasses.Field, hint: Any) -> Parameter:
+    """The Parameter a SamplingParams field declares."""
+    members = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    [value_type] = [member for member in members if member is not type(None)]
+    default = spec.default if spec.default_factory is MISSING else spec.default_factory()
+    return Parameter(spec.name, _KINDS[value_type], default, type(None) in members, **spec.metadata[_DECLARATION])
+
+
+_HINTS = get_type_hints(SamplingParams)
+PARAMETERS: dict[str, Parameter] = {spec.name: _declared(spec, _HINTS[spec.name]) for spec in fields(SamplingParams)}
