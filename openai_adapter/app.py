@@ -27,13 +27,20 @@ from openai_adapter.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     GenerationRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    parse_by_shape,
     parse_request,
 )
 from openai_adapter.sse import completion_events
 from openai_adapter.settings import AdapterSettings
+from openai_adapter.tokenization import TokenizationService
 from openai_adapter.triton_client import TritonClient
 
 
@@ -47,6 +54,7 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         app.state.triton = triton
         app.state.completions = CompletionService(triton, settings.served_model_name, settings.lora_dir is not None)
         app.state.chat = ChatService(app.state.completions)
+        app.state.tokenization = TokenizationService(triton, settings.served_model_name)
         try:
             yield
         finally:
@@ -59,7 +67,9 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     with_auth = settings.api_key is not None
     # Authentication runs as a dependency, before the body is read: strangers cannot make us read it.
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_dependency(settings.api_key))] if with_auth else [])
+    auth = [Depends(api_key_dependency(settings.api_key))] if with_auth else []
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+    vllm_routes = APIRouter(dependencies=auth)  # vLLM's routes outside /v1
 
     async def generate(
         request: Request, model: type[GenerationRequest], service: CompletionService | ChatService
@@ -119,7 +129,21 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             raise service_unavailable("The engines' metrics cannot be read (is --triton-metrics-url set?).")
         return sglang_loads(families)
 
+    @vllm_routes.post("/tokenize", responses=error_responses(*((400, 401, 404) if with_auth else (400, 404))))
+    async def tokenize(request: Request) -> TokenizeResponse:
+        """vLLM's: a prompt's (or a chat's rendered) token ids, from the engine's tokenizer."""
+        body = parse_by_shape(await read_body(request, settings.max_body_bytes), TokenizeChatRequest,
+                              TokenizeCompletionRequest)
+        return await request.app.state.tokenization.tokenize(body)
+
+    @vllm_routes.post("/detokenize", responses=error_responses(*((400, 401, 404) if with_auth else (400, 404))))
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        """vLLM's: the text of token ids."""
+        body = parse_request(await read_body(request, settings.max_body_bytes), DetokenizeRequest)
+        return await request.app.state.tokenization.detokenize(body)
+
     app.include_router(v1)
+    app.include_router(vllm_routes)
 
     @app.get("/health", responses=error_responses(503))
     async def health(request: Request) -> dict:

@@ -42,11 +42,13 @@ class ChatService:
                     finish_reason=choice.finish_reason,
                     matched_stop=choice.matched_stop,
                     hidden_states=choice.hidden_states,
+                    token_ids=choice.token_ids,
                 )
                 for choice in completion.choices
             ],
             usage=completion.usage,
             sglext=completion.sglext,
+            prompt_token_ids=completion.choices[0].prompt_token_ids,  # (one prompt: the conversation)
         )
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
@@ -58,6 +60,8 @@ class ChatService:
 
 def _chat_chunk(chunk: CompletionResponse, started: set[int], num_top: int | None) -> ChatCompletionChunk:
     """One completion chunk as a chat chunk; `started` holds the choices that have had their first chunk."""
+    # vLLM's shape: the conversation's token ids once, in the stream's first chunk
+    prompt_token_ids = next((choice.prompt_token_ids for choice in chunk.choices), None) if not started else None
     choices = []
     for choice in chunk.choices:
         first = choice.index not in started
@@ -71,9 +75,10 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int], num_top: int | Non
                 logprobs=chat_logprobs(choice.logprobs, num_top) if choice.logprobs else None,
                 finish_reason=choice.finish_reason,
                 matched_stop=choice.matched_stop,
+                token_ids=choice.token_ids,
             )
         )
     return ChatCompletionChunk(
         id=_chat_id(chunk.id), created=chunk.created, model=chunk.model, choices=choices, usage=chunk.usage,
-        sglext=chunk.sglext,
+        sglext=chunk.sglext, prompt_token_ids=prompt_token_ids,
     )

@@ -91,6 +91,20 @@ class NullMeansDefault(BaseModel):
         return None if field is None else field.default
 
 
+class _WithExtensions(BaseModel):
+    """An object with SGLang / vLLM extension fields, which appear only when the request asked for them."""
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_extensions(self, handler) -> dict:
+        data = handler(self)
+        for name in self.EXTENSIONS:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -113,15 +127,7 @@ class NotYetSupportedParameters(BaseModel):
     guided_whitespace_pattern: str | None = None
     logits_processors: list[Any] | None = None
     custom_logit_processor: str | None = None  # SGLang's
-    return_tokens_as_token_ids: bool = False
-    return_token_ids: bool = False
     priority: int = 0  # vLLM and SGLang refuse other priorities without priority scheduling too
-
-
-class NotYetSupportedCompletionParameters(BaseModel):
-    """Completion-only ones, like NotYetSupportedParameters."""
-
-    add_special_tokens: bool = True  # text prompts are tokenized with the tokenizer's special tokens (BOS)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -250,6 +256,12 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, Eng
     lora_path: str | list[str | None] | None = None
     """SGLang extension: the LoRA adapter (its name or a path inside the server's adapters directory), or one
     per prompt (null: the base model). `model: "<served model>:<adapter>"` says the same."""
+    return_token_ids: bool = False
+    """vLLM extension: each choice's `token_ids` (streamed: each chunk's new ones) and the prompt's
+    `prompt_token_ids` (streamed: in the first chunk)."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM extension: logprobs name each token `token_id:<id>` instead of its text (texts that are not whole
+    characters stay identifiable)."""
 
     def api_name(self, engine_field: str | None) -> str | None:
         """This request's name for an engine sampling parameter."""
@@ -267,10 +279,12 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, Eng
         return None
 
 
-class CompletionRequest(SamplingRequest, NotYetSupportedCompletionParameters):
+class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions."""
 
     prompt: Prompt
+    add_special_tokens: bool = True
+    """vLLM extension: false tokenizes text prompts without the tokenizer's special tokens (BOS)."""
     suffix: str | None = None
     """Only empty: the served model has no fill-in-the-middle support (checked by the service)."""
     echo: bool = False
@@ -307,8 +321,8 @@ class CompletionRequest(SamplingRequest, NotYetSupportedCompletionParameters):
         """The engine's `logprobs` (top candidates per token); None: no logprobs."""
         return self.logprobs
 
-    def unsupported_parameter(self) -> str | None:
-        return super().unsupported_parameter() or self._first_non_neutral(NotYetSupportedCompletionParameters)
+    def prompt_options(self) -> dict[str, bool]:
+        return {} if self.add_special_tokens else {"add_special_tokens": False}
 
 
 ChatRole = Literal[CHAT_ROLES]
@@ -342,18 +356,10 @@ class NotYetSupportedChatParameters(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's; the completions API has it
 
 
-class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
-    """Body of POST /v1/chat/completions. The engine renders the messages with the model's chat template."""
+class ChatMessages(BaseModel):
+    """A conversation, which the engine renders with the model's chat template."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = engine_field("max_tokens", None)
-    """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are given."""
-    max_completion_tokens: int | None = engine_field("max_tokens", None)
-    logprobs: bool = False
-    top_logprobs: int | None = engine_field("logprobs")
-    # Completion-only features, fixed off so the completion service can run chat requests unchanged.
-    echo: ClassVar[bool] = False
-    suffix: ClassVar[None] = None
 
     @field_validator("messages", mode="wrap")
     @classmethod
@@ -370,6 +376,23 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
         if not messages:
             raise ValueError("messages must not be empty")
         return messages
+
+    def conversation(self) -> list[dict]:
+        """The messages as the engine's `messages` input takes them."""
+        return [message.model_dump() for message in self.messages]
+
+
+class ChatCompletionRequest(SamplingRequest, ChatMessages, NotYetSupportedChatParameters):
+    """Body of POST /v1/chat/completions. The engine renders the messages with the model's chat template."""
+
+    max_tokens: int | None = engine_field("max_tokens", None)
+    """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are given."""
+    max_completion_tokens: int | None = engine_field("max_tokens", None)
+    logprobs: bool = False
+    top_logprobs: int | None = engine_field("logprobs")
+    # Completion-only features, fixed off so the completion service can run chat requests unchanged.
+    echo: ClassVar[bool] = False
+    suffix: ClassVar[None] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -393,10 +416,14 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
 
     def prompts(self) -> list[list[dict]]:
         """One prompt: the conversation, which the engine renders."""
-        return [[message.model_dump() for message in self.messages]]
+        return [self.conversation()]
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_options(self) -> dict[str, bool]:
+        """The engine's PROMPT_OPTIONS inputs this request sets (absent: the engine's defaults)."""
+        return {}
 
     def unsupported_parameter(self) -> str | None:
         return super().unsupported_parameter() or self._first_non_neutral(NotYetSupportedChatParameters)
@@ -406,18 +433,90 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 """What the completion service runs."""
 
 
-def parse_request(body: bytes, model: type[GenerationRequest]) -> GenerationRequest:
-    """Parse and validate a raw request body; every failure is a 400 naming the offending parameter."""
+class TokenizeCompletionRequest(BaseModel):
+    """Body of POST /tokenize with a text prompt (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    """False: without the tokenizer's special tokens (BOS)."""
+    return_token_strs: bool = False
+    """Also return each token's string (the tokenizer's own, e.g. "Ġthe")."""
+
+    def prompt_options(self) -> dict[str, bool]:
+        return {"add_special_tokens": self.add_special_tokens}
+
+
+class TokenizeChatRequest(ChatMessages):
+    """Body of POST /tokenize with chat messages (vLLM's): the rendered conversation's tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    add_generation_prompt: bool = True
+    """End the rendered conversation with the assistant's turn opened."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens on top of what the chat template puts in."""
+    return_token_strs: bool = False
+
+    def prompt_options(self) -> dict[str, bool]:
+        return {"add_special_tokens": self.add_special_tokens, "add_generation_prompt": self.add_generation_prompt}
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class TokenizeResponse(_WithExtensions):
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("token_strs",)
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def _json_object(body: bytes) -> dict:
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise invalid_request(f"The request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.")
+    return data
+
+
+def _validated(data: dict, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise from_validation_error(error) from None
+
+
+def parse_request(body: bytes, model: type[BaseModel]) -> Any:
+    """Parse and validate a raw request body as `model`; every failure is a 400 naming the offending parameter."""
+    return _validated(_json_object(body), model)
+
+
+def parse_by_shape(body: bytes, chat_model: type[ChatMessages], text_model: type[BaseModel]) -> Any:
+    """A body that holds `messages` as `chat_model`, any other as `text_model` (vLLM's /tokenize and
+    /invocations tell them apart so)."""
+    data = _json_object(body)
+    return _validated(data, chat_model if "messages" in data else text_model)
 
 
 class CompletionLogprobs(BaseModel):
@@ -427,17 +526,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
-class _WithHiddenStates(BaseModel):
-    """A choice's `hidden_states` (SGLang extension): present only when requested."""
+class _WithHiddenStates(_WithExtensions):
+    """A choice's `hidden_states` (SGLang's) and `token_ids` (vLLM's)."""
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("hidden_states", "token_ids")
 
     hidden_states: list[list[float]] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_hidden_states(self, handler) -> dict:
-        data = handler(self)
-        if data.get("hidden_states") is None:
-            data.pop("hidden_states", None)
-        return data
+    token_ids: list[int] | None = None
+    """vLLM extension (return_token_ids): the choice's token ids (a stream chunk: its new ones)."""
 
 
 class Logprob(BaseModel):
@@ -449,6 +545,8 @@ class Logprob(BaseModel):
 
 
 class CompletionChoice(_WithHiddenStates):
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("hidden_states", "token_ids", "prompt_token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -460,6 +558,8 @@ class CompletionChoice(_WithHiddenStates):
     matched_stop: str | int | None = None
     """SGLang extension: the stop string (or the stop_regex pattern that matched) or the stop token id (EOS included)
     that ended the choice; null while it runs or when it ended otherwise (e.g. by length)."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM extension (return_token_ids): the prompt's token ids (streamed: in the choice's first chunk)."""
     routed_experts: list[list[list[int]]] | None = Field(None, exclude=True)
     """The choice's [MoE layers][top_k] expert ids per token, when requested: the response carries them in
     `sglext.routed_experts`, not in the choice."""
@@ -498,21 +598,16 @@ class SglExt(BaseModel):
         return {name: value for name, value in handler(self).items() if value is not None}
 
 
-class _ResponseBase(BaseModel):
+class _ResponseBase(_WithExtensions):
     """Fields every completion and chat response or chunk has."""
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("sglext",)
 
     id: str
     created: int
     model: str
     usage: Usage | None = None
     sglext: SglExt | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_extension(self, handler) -> dict:
-        data = handler(self)
-        if data.get("sglext") is None:
-            data.pop("sglext", None)
-        return data
 
 
 class CompletionResponse(_ResponseBase):
@@ -551,7 +646,14 @@ class ChatCompletionChoice(_WithHiddenStates):
     """SGLang extension, as in CompletionChoice."""
 
 
-class ChatCompletionResponse(_ResponseBase):
+class _ChatResponseBase(_ResponseBase):
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("sglext", "prompt_token_ids")
+
+    prompt_token_ids: list[int] | None = None
+    """vLLM extension (return_token_ids): the rendered conversation's token ids (streamed: in the first chunk)."""
+
+
+class ChatCompletionResponse(_ChatResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
 
@@ -569,15 +671,19 @@ class ChatDelta(BaseModel):
                 if value is not None or name not in ("role", "hidden_states")}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithExtensions):
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("token_ids",)
+
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    token_ids: list[int] | None = None
+    """vLLM extension (return_token_ids): the chunk's new token ids."""
 
 
-class ChatCompletionChunk(_ResponseBase):
+class ChatCompletionChunk(_ChatResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
 
