@@ -12,7 +12,7 @@ import numpy as np
 
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
-from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING, message_text
+from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING, chat_template_conflict, message_text
 from backend.processing.input_processor import PromptOptions, TokenizedPrompt
 from backend.processing.outputs import RequestOutput, TokenLogprob
 
@@ -92,9 +92,23 @@ def _flag(inputs: dict[str, np.ndarray | None], name: str) -> bool | None:
 
 
 def _options(inputs: dict[str, np.ndarray | None]) -> PromptOptions:
-    add_generation_prompt = _flag(inputs, "add_generation_prompt")
+    add_generation_prompt = _flag(inputs, "add_generation_prompt") is not False  # (default true)
+    continue_final_message = bool(_flag(inputs, "continue_final_message"))
+    conflict = chat_template_conflict(add_generation_prompt, continue_final_message)
+    if conflict:
+        raise InvalidRequest(conflict, "continue_final_message")
+    raw_kwargs = _scalar(inputs.get("chat_template_kwargs"), "chat_template_kwargs")
+    kwargs = {}
+    if raw_kwargs is not None:
+        try:
+            kwargs = json.loads(_text(raw_kwargs, "chat_template_kwargs"))
+        except json.JSONDecodeError as error:
+            raise InvalidRequest(f"chat_template_kwargs is not valid JSON: {error}", "chat_template_kwargs") from None
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest("chat_template_kwargs must be a JSON object", "chat_template_kwargs")
     return PromptOptions(add_special_tokens=_flag(inputs, "add_special_tokens"),
-                         add_generation_prompt=True if add_generation_prompt is None else add_generation_prompt)
+                         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                         chat_template_kwargs=kwargs)
 
 
 def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:

@@ -37,7 +37,7 @@ class ChatService:
             choices=[
                 ChatCompletionChoice(
                     index=choice.index,
-                    message=AssistantMessage(content=choice.text),
+                    message=AssistantMessage(role=request.response_role(), content=choice.text),
                     logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,
                     finish_reason=choice.finish_reason,
                     matched_stop=choice.matched_stop,
@@ -55,10 +55,10 @@ class ChatService:
         """Chat chunks; each choice's first one carries the assistant role, and one its finish reason."""
         started: set[int] = set()
         async for chunk in self._completions.stream(request):
-            yield _chat_chunk(chunk, started, request.engine_logprobs())
+            yield _chat_chunk(chunk, started, request)
 
 
-def _chat_chunk(chunk: CompletionResponse, started: set[int], num_top: int | None) -> ChatCompletionChunk:
+def _chat_chunk(chunk: CompletionResponse, started: set[int], request: ChatCompletionRequest) -> ChatCompletionChunk:
     """One completion chunk as a chat chunk; `started` holds the choices that have had their first chunk."""
     # vLLM's shape: the conversation's token ids once, in the stream's first chunk
     prompt_token_ids = next((choice.prompt_token_ids for choice in chunk.choices), None) if not started else None
@@ -70,9 +70,9 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int], num_top: int | Non
             ChatChunkChoice(
                 index=choice.index,
                 # SGLang streams hidden states in the delta (of a chunk of their own)
-                delta=ChatDelta(role="assistant" if first else None, content=choice.text,
+                delta=ChatDelta(role=request.response_role() if first else None, content=choice.text,
                                 hidden_states=choice.hidden_states),
-                logprobs=chat_logprobs(choice.logprobs, num_top) if choice.logprobs else None,
+                logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,
                 finish_reason=choice.finish_reason,
                 matched_stop=choice.matched_stop,
                 token_ids=choice.token_ids,

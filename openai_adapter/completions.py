@@ -52,7 +52,7 @@ def engine_parameters(request: GenerationRequest) -> SamplingParams:
     values |= {
         "logprobs": request.engine_logprobs(),
         "prompt_logprobs": engine_prompt_logprobs(request),
-        "return_prompt_hidden_states": request.return_hidden_states and request.echo,
+        "return_prompt_hidden_states": request.return_hidden_states and request.echo and request.echoes_prompt,
     }
     constraint = request.constraint()  # more than one → 400
     if constraint is not None:
@@ -183,7 +183,7 @@ class CompletionAssembler:
         if request.echo and echo_prompt_logprobs(request) is None:
             for prompt_index, prompt in enumerate(self._prompts):
                 for state in self._choices_of(prompt_index):
-                    state.echo(Echo(prompt, []))
+                    state.echo(Echo(request.echoed_text(prompt), []))
         elif request.echo:
             self._awaiting_echo = set(range(len(self._prompts)))
         # vLLM's prompt_logprobs of each prompt, when asked for: given to each of its choices

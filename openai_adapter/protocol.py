@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from backend.interface.parameters import CONSTRAINTS, MAX_TOKEN_ID, PARAMETERS, Parameter
-from backend.interface.tensors import CHAT_ROLES, message_text
+from backend.interface.tensors import CHAT_ROLES, chat_template_conflict, message_text
 from openai_adapter.errors import from_validation_error, invalid_request
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -321,8 +321,13 @@ class CompletionRequest(SamplingRequest):
         """The engine's `logprobs` (top candidates per token); None: no logprobs."""
         return self.logprobs
 
+    echoes_prompt: ClassVar[bool] = True  # echo puts the prompt (its tokens, with logprobs) first
+
     def prompt_options(self) -> dict[str, bool]:
         return {} if self.add_special_tokens else {"add_special_tokens": False}
+
+    def echoed_text(self, prompt: str) -> str:
+        return prompt
 
 
 ChatRole = Literal[CHAT_ROLES]
@@ -347,19 +352,45 @@ class NotYetSupportedChatParameters(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated spelling of tools
     function_call: str | dict[str, Any] | None = None
-    # vLLM's chat template controls: the engine always renders the model's own template, ready for an answer
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's own template per request: the engine renders the model's
     prompt_logprobs: int | None = None  # vLLM's; the completions API has it
 
 
 class ChatMessages(BaseModel):
-    """A conversation, which the engine renders with the model's chat template."""
+    """A conversation, which the engine renders with the model's chat template, and vLLM's controls of the
+    rendering."""
 
     messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    """End the rendered conversation with the assistant's turn opened."""
+    continue_final_message: bool = False
+    """Leave the final message open for the model to continue it ("prefill"); needs add_generation_prompt false."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens (BOS) on top of what the chat template puts in."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. a model's `enable_thinking`)."""
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _check_continue_final_message(cls, continue_final_message: bool, info: ValidationInfo) -> bool:
+        conflict = chat_template_conflict(info.data.get("add_generation_prompt", True), continue_final_message)
+        if conflict:
+            raise ValueError(conflict)
+        return continue_final_message
+
+    def prompt_options(self) -> dict[str, bool | str]:
+        """The engine's PROMPT_OPTIONS inputs for the conversation."""
+        options: dict[str, bool | str] = {"add_generation_prompt": self.add_generation_prompt,
+                                          "continue_final_message": self.continue_final_message,
+                                          "add_special_tokens": self.add_special_tokens}
+        if self.chat_template_kwargs:
+            options["chat_template_kwargs"] = json.dumps(self.chat_template_kwargs)
+        return options
+
+    def response_role(self) -> str:
+        """vLLM's role of the answer: the assistant's after a generation prompt, else the final message's (which
+        is continued)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     @field_validator("messages", mode="wrap")
     @classmethod
@@ -390,9 +421,12 @@ class ChatCompletionRequest(SamplingRequest, ChatMessages, NotYetSupportedChatPa
     max_completion_tokens: int | None = engine_field("max_tokens", None)
     logprobs: bool = False
     top_logprobs: int | None = engine_field("logprobs")
+    echo: bool = False
+    """vLLM extension: the answer starts with the final message's content when the answer continues that
+    message's role (see response_role)."""
     # Completion-only features, fixed off so the completion service can run chat requests unchanged.
-    echo: ClassVar[bool] = False
     suffix: ClassVar[None] = None
+    echoes_prompt: ClassVar[bool] = False  # chat's echo repeats a message, not the prompt's tokens
 
     @field_validator("top_logprobs")
     @classmethod
@@ -421,9 +455,9 @@ class ChatCompletionRequest(SamplingRequest, ChatMessages, NotYetSupportedChatPa
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def prompt_options(self) -> dict[str, bool]:
-        """The engine's PROMPT_OPTIONS inputs this request sets (absent: the engine's defaults)."""
-        return {}
+    def echoed_text(self, prompt: list[dict]) -> str:
+        final = self.messages[-1]
+        return final.content if final.role == self.response_role() else ""
 
     def unsupported_parameter(self) -> str | None:
         return super().unsupported_parameter() or self._first_non_neutral(NotYetSupportedChatParameters)
@@ -455,14 +489,7 @@ class TokenizeChatRequest(ChatMessages):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    add_generation_prompt: bool = True
-    """End the rendered conversation with the assistant's turn opened."""
-    add_special_tokens: bool = False
-    """Add the tokenizer's special tokens on top of what the chat template puts in."""
     return_token_strs: bool = False
-
-    def prompt_options(self) -> dict[str, bool]:
-        return {"add_special_tokens": self.add_special_tokens, "add_generation_prompt": self.add_generation_prompt}
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
@@ -633,7 +660,8 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: ChatRole = "assistant"
+    """The final message's role when it is continued (add_generation_prompt false), as vLLM."""
     content: str
 
 
@@ -659,7 +687,7 @@ class ChatCompletionResponse(_ChatResponseBase):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: ChatRole | None = None
     """Only in a choice's first chunk."""
     content: str
     hidden_states: list[list[float]] | None = None

@@ -33,7 +33,8 @@ class TokenizationService:
         tokenized = await self._call(request.model, request.tokens, {}, "tokens")
         return DetokenizeResponse(prompt=tokenized.text)
 
-    async def _call(self, model: str | None, prompt: str | list[int] | list[dict], prompt_options: dict[str, bool],
+    async def _call(self, model: str | None, prompt: str | list[int] | list[dict],
+                    prompt_options: dict[str, bool | str],
                     field: str):
         # Every adapter shares the base model's tokenizer: "<model>:<adapter>" tokenizes alike.
         if model is not None and model.partition(":")[0] != self._served_model_name:

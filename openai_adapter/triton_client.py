@@ -95,8 +95,9 @@ class GenerateRequest:
     return_logprobs: bool = False
     return_token_ids: bool = False
     """The new tokens' ids per choice, and the prompt's once."""
-    prompt_options: dict[str, bool] = field(default_factory=dict)
-    """PROMPT_OPTIONS inputs (backend/interface/tensors.py) by name; an absent one keeps the engine's default."""
+    prompt_options: dict[str, bool | str] = field(default_factory=dict)
+    """PROMPT_OPTIONS inputs (backend/interface/tensors.py) by name, a bool for a BOOL input, a string for a STRING
+    one; an absent one keeps the engine's default."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class TritonClient:
             async for result in results:
                 yield _parse_response(result)
 
-    async def tokenize(self, prompt: str | list[int] | list[dict], prompt_options: dict[str, bool],
+    async def tokenize(self, prompt: str | list[int] | list[dict], prompt_options: dict[str, bool | str],
                        request_id: str) -> TokenizedPrompt:
         """The prompt's tokens (or a token-id prompt's text), from the engine's tokenizer; nothing is generated."""
         inputs = [*_prompt_inputs(prompt, prompt_options), _tensor("tokenize_only", np.array([True]), "BOOL")]
@@ -185,14 +186,15 @@ class TritonClient:
         return internal_error(f"Triton call failed ({code.name}): {error.details()}")
 
 
-def _prompt_inputs(prompt: str | list[int] | list[dict], prompt_options: dict[str, bool]) -> list[InferInput]:
+def _prompt_inputs(prompt: str | list[int] | list[dict], prompt_options: dict[str, bool | str]) -> list[InferInput]:
     if isinstance(prompt, str):
         inputs = [_tensor("text_input", _bytes_array(prompt), "BYTES")]
     elif isinstance(prompt[0], dict):  # chat messages: the engine applies the model's chat template
         inputs = [_tensor("messages", _bytes_array(json.dumps(prompt)), "BYTES")]
     else:
         inputs = [_tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32")]
-    inputs.extend(_tensor(name, np.array([value]), "BOOL") for name, value in prompt_options.items())
+    inputs.extend(_tensor(name, np.array([value]), "BOOL") if isinstance(value, bool) else
+                  _tensor(name, _bytes_array(value), "BYTES") for name, value in prompt_options.items())
     return inputs
 
 

@@ -1,6 +1,7 @@
 """vLLM's API surface that its clients rely on, through the whole stack with the official openai SDK (httpx for
 the routes it has no method for): token ids in and out (return_token_ids, return_tokens_as_token_ids, /tokenize,
-/detokenize, Triton's tokenize_only)."""
+/detokenize, Triton's tokenize_only), and the chat template's controls (add_generation_prompt,
+continue_final_message, chat_template_kwargs, echo)."""
 
 from __future__ import annotations
 
@@ -140,3 +141,68 @@ def test_triton_returns_token_ids_when_asked(stack, tokenizer):
     assert response.as_numpy("prompt_token_ids").tolist() == tokenizer(PROMPT).input_ids
     [token_ids] = [json.loads(ids) for ids in response.as_numpy("token_ids")]
     assert tokenizer.decode(token_ids) == response.as_numpy("text_output")[0].decode()
+
+
+# --- chat template controls -----------------------------------------------------------------------------------
+
+PREFILLED = [{"role": "user", "content": "Count from 1 to 10."}, {"role": "assistant", "content": "1, 2, 3,"}]
+
+
+def _rendered_ids(tokenizer, messages, **controls) -> list[int]:
+    return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, **controls),
+                     add_special_tokens=False).input_ids
+
+
+def _chat(client, stack, messages, **extra):
+    return client.chat.completions.create(model=stack.model_name, messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={"return_token_ids": True, **extra})
+
+
+def test_continue_final_message_continues_the_assistant_turn(stack, client, tokenizer):
+    controls = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = _chat(client, stack, PREFILLED, **controls)
+    expected = _rendered_ids(tokenizer, PREFILLED, continue_final_message=True)
+    assert _extra(chat, "prompt_token_ids") == expected
+    assert chat.choices[0].message.role == "assistant"
+    # the same as completing the open-ended rendering
+    completion = client.completions.create(model=stack.model_name, prompt=expected, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == completion.choices[0].text
+    assert _post(stack, "/tokenize", messages=PREFILLED, **controls).json()["tokens"] == expected
+    echoed = _chat(client, stack, PREFILLED, echo=True, **controls).choices[0].message.content
+    assert echoed == "1, 2, 3," + chat.choices[0].message.content  # vLLM's echo: the continued message first
+
+
+def test_add_generation_prompt_false_renders_no_assistant_turn(stack, client, tokenizer):
+    chat = _chat(client, stack, MESSAGES, add_generation_prompt=False)
+    assert _extra(chat, "prompt_token_ids") == _rendered_ids(tokenizer, MESSAGES, add_generation_prompt=False)
+    assert chat.choices[0].message.role == "user"  # vLLM's: the role of the message it goes on from
+
+
+def test_chat_echo_only_repeats_a_message_of_the_answers_role(stack, client):
+    plain = _chat(client, stack, MESSAGES).choices[0].message.content
+    assert _chat(client, stack, MESSAGES, echo=True).choices[0].message.content == plain  # last message: user's
+    streamed = list(client.chat.completions.create(
+        model=stack.model_name, messages=PREFILLED, max_tokens=6, temperature=0, stream=True,
+        extra_body={"echo": True, "add_generation_prompt": False, "continue_final_message": True}))
+    assert streamed[0].choices[0].delta.content.startswith("1, 2, 3,")
+
+
+def test_chat_template_kwargs_and_add_special_tokens_are_accepted(stack, client, tokenizer):
+    chat = _chat(client, stack, MESSAGES, chat_template_kwargs={"enable_thinking": False}, add_special_tokens=True)
+    expected = tokenizer(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)).input_ids
+    assert _extra(chat, "prompt_token_ids") == expected
+
+
+@pytest.mark.parametrize("route, fields, param", [
+    ("/v1/chat/completions", {"add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+    ("/tokenize", {"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+])
+def test_conflicting_or_bad_chat_template_controls_are_400(stack, route, fields, param):
+    response = _post(stack, route, model=stack.model_name, messages=PREFILLED, max_tokens=1, **fields) \
+        if route != "/tokenize" else _post(stack, route, messages=PREFILLED, **fields)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

@@ -180,3 +180,18 @@ def test_prompt_options_and_tokenize_only_are_read():
     assert tensors["prompt_token_strs"].tolist() == ["Ġa".encode(), b"b"]
     assert (tensors["text_output"].tolist(), tensors["num_input_tokens"].tolist(),
             tensors["max_model_len"].tolist()) == ([b" ab"], [2], [128])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"continue_final_message": np.array([True])}, "continue_final_message"),  # with the default generation prompt
+    ({"chat_template_kwargs": np.array([b"{not json"], dtype=np.object_)}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": np.array([b"[1]"], dtype=np.object_)}, "chat_template_kwargs"),
+])
+def test_chat_template_controls_are_checked(extra, param):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_request({**inputs(None), **extra})
+    assert refused.value.param == param
+    continued = parse_request({**inputs(None), "continue_final_message": np.array([True]),
+                               "add_generation_prompt": np.array([False]),
+                               "chat_template_kwargs": np.array([b'{"x": 1}'], dtype=np.object_)}).options
+    assert (continued.continue_final_message, continued.chat_template_kwargs) == (True, {"x": 1})

@@ -6,9 +6,10 @@ Owned by one thread (Triton's execute(), or LLMEngine's caller); it has its own 
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -33,6 +34,10 @@ class PromptOptions:
     what the model needs)."""
     add_generation_prompt: bool = True
     """Chat: end the rendered conversation with the assistant's turn opened."""
+    continue_final_message: bool = False
+    """Chat: leave the final message open (no end-of-turn), for the model to continue it."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Chat: extra variables for the template (e.g. a model's `enable_thinking`)."""
 
 
 @dataclass(frozen=True)
@@ -118,11 +123,22 @@ class InputProcessor:
         if not self.tokenizer.chat_template:
             raise InvalidRequest(f"the model {self.limits.name} has no chat template: send text_input or "
                                  "input_ids instead of messages")
+        reserved = sorted(set(options.chat_template_kwargs) & self._rendering_arguments())
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: they are the renderer's "
+                                 "own arguments", "chat_template_kwargs")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=options.add_generation_prompt,
-                                                      tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, tokenize=False,
+                **options.chat_template_kwargs)
         except Exception as error:  # templates may raise on their own, e.g. on an unexpected role order
             raise InvalidRequest(f"the chat template rejected the messages: {error}") from None
+
+    def _rendering_arguments(self) -> set[str]:
+        """apply_chat_template's own parameters: chat_template_kwargs must not override them (e.g. tokenize)."""
+        parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        return {parameter.name for parameter in parameters if parameter.kind is not parameter.VAR_KEYWORD}
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.limits.vocab_size
