@@ -721,6 +721,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tritonllm"
+    root: str | None = None
+    """vLLM's: the base model's path, a LoRA adapter's directory; absent when Triton cannot be asked."""
     parent: str | None = None
     """A LoRA adapter's base model (vLLM's field); absent for the base model."""
     max_model_len: int | None = None

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
+from tritonclient.utils import InferenceServerException
 
 from backend.interface.errors import decode
 from backend.interface.tensors import RUNNING
@@ -133,6 +134,17 @@ class TritonClient:
             return await asyncio.wait_for(check(), timeout)
         except Exception:
             return False
+
+    async def model_path(self) -> str | None:
+        """The engine's model directory (its config.pbtxt `model_path`); None when Triton does not answer within
+        health_timeout_s."""
+        timeout = self._settings.health_timeout_s
+        try:
+            config = await asyncio.wait_for(self._client.get_model_config(
+                self._settings.triton_model, as_json=True, client_timeout=timeout), timeout)
+            return config["config"]["parameters"]["model_path"]["string_value"]
+        except (InferenceServerException, TimeoutError):
+            return None
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[TritonChunk]:
         """Run one generation request, yielding each of the model's responses.

@@ -206,3 +206,45 @@ def test_conflicting_or_bad_chat_template_controls_are_400(stack, route, fields,
         if route != "/tokenize" else _post(stack, route, messages=PREFILLED, **fields)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+# --- /v1/models root, /invocations ----------------------------------------------------------------------------
+
+
+def test_model_entries_have_vllms_root(stack, client, default_model_dir):
+    models = {model.id: model for model in client.models.list().data}
+    base = models[stack.model_name]
+    assert _extra(base, "root") == str(default_model_dir)
+    adapters = [model for model in models.values() if model.id != stack.model_name]
+    assert adapters  # the stack serves the test adapters
+    for adapter in adapters:
+        name = adapter.id.removeprefix(f"{stack.model_name}:")
+        assert _extra(adapter, "root") == str(stack.lora_dir / name) and _extra(adapter, "parent") == stack.model_name
+    assert client.models.retrieve(stack.model_name).model_extra["root"] == str(default_model_dir)
+
+
+def test_invocations_dispatch_by_body_shape(stack, client):
+    kwargs = dict(model=stack.model_name, max_tokens=5, temperature=0)
+    completion = _post(stack, "/invocations", prompt=PROMPT, **kwargs).json()
+    assert completion["object"] == "text_completion"
+    assert completion["choices"][0]["text"] == client.completions.create(prompt=PROMPT, **kwargs).choices[0].text
+    chat = _post(stack, "/invocations", messages=MESSAGES, **kwargs).json()
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["content"] == \
+        client.chat.completions.create(messages=MESSAGES, **kwargs).choices[0].message.content
+    with httpx.stream("POST", f"{stack.base_url.removesuffix('/v1')}/invocations", timeout=60,
+                      json={"messages": MESSAGES, "stream": True, **kwargs}) as response:
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and json.loads(events[0].removeprefix("data: "))["object"] == \
+        "chat.completion.chunk"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 5}, "prompt"),
+    ({"messages": "hi"}, "messages"),
+    ({"prompt": PROMPT, "temperature": 9}, "temperature"),
+    ({"prompt": PROMPT, "messagez": []}, "messagez"),
+])
+def test_invocations_errors_name_the_field(stack, body, param):
+    response = _post(stack, "/invocations", model=stack.model_name, **body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
