@@ -12,7 +12,8 @@ import numpy as np
 
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
-from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING, message_text
+from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING, chat_template_conflict, message_text
+from backend.processing.input_processor import PromptOptions, TokenizedPrompt
 from backend.processing.outputs import RequestOutput, TokenLogprob
 
 
@@ -23,6 +24,8 @@ class ParsedRequest:
     stream: bool = False
     exclude_input_in_output: bool = False
     returns: set[str] = field(default_factory=set)  # output names requested besides text_output
+    options: PromptOptions = PromptOptions()
+    tokenize_only: bool = False  # answer with the prompt's tokens (tokenized_tensors), generate nothing
 
 
 def _scalar(array: np.ndarray | None, name: str):
@@ -82,12 +85,38 @@ def _prompt(inputs: dict[str, np.ndarray | None]) -> str | list[int] | list[dict
     raise InvalidRequest("the request needs a prompt: text_input, input_ids or messages")
 
 
+def _flag(inputs: dict[str, np.ndarray | None], name: str) -> bool | None:
+    """A BOOL input's value; None when absent."""
+    value = _scalar(inputs.get(name), name)
+    return None if value is None else bool(value)
+
+
+def _options(inputs: dict[str, np.ndarray | None]) -> PromptOptions:
+    add_generation_prompt = _flag(inputs, "add_generation_prompt") is not False  # (default true)
+    continue_final_message = bool(_flag(inputs, "continue_final_message"))
+    conflict = chat_template_conflict(add_generation_prompt, continue_final_message)
+    if conflict:
+        raise InvalidRequest(conflict, "continue_final_message")
+    raw_kwargs = _scalar(inputs.get("chat_template_kwargs"), "chat_template_kwargs")
+    kwargs = {}
+    if raw_kwargs is not None:
+        try:
+            kwargs = json.loads(_text(raw_kwargs, "chat_template_kwargs"))
+        except json.JSONDecodeError as error:
+            raise InvalidRequest(f"chat_template_kwargs is not valid JSON: {error}", "chat_template_kwargs") from None
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest("chat_template_kwargs must be a JSON object", "chat_template_kwargs")
+    return PromptOptions(add_special_tokens=_flag(inputs, "add_special_tokens"),
+                         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                         chat_template_kwargs=kwargs)
+
+
 def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
     """inputs: tensor name → numpy array (None when the client did not send it)."""
     prompt = _prompt(inputs)
     raw_params = _scalar(inputs.get("sampling_parameters"), "sampling_parameters")
     params = SamplingParams.from_json(None if raw_params is None else _text(raw_params, "sampling_parameters"))
-    flags = {name: bool(_scalar(inputs.get(name), name)) for name in ("stream", "exclude_input_in_output")
+    flags = {name: bool(_flag(inputs, name)) for name in ("stream", "exclude_input_in_output", "tokenize_only")
              + RETURN_FLAGS}
     if flags["stream"]:
         params.check_streamable()
@@ -99,7 +128,19 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
         prompt=prompt, params=params, stream=flags["stream"],
         exclude_input_in_output=flags["exclude_input_in_output"],
         returns={name.removeprefix("return_") for name in RETURN_FLAGS if flags[name]},
+        options=_options(inputs), tokenize_only=flags["tokenize_only"],
     )
+
+
+def tokenized_tensors(tokenized: TokenizedPrompt, max_model_len: int) -> dict[str, np.ndarray]:
+    """The one response of a tokenize_only request (TOKENIZE_OUTPUTS)."""
+    return {
+        "text_output": np.array([tokenized.text.encode("utf-8")], dtype=np.object_),
+        "prompt_token_ids": np.array(tokenized.token_ids, dtype=np.int32),
+        "prompt_token_strs": np.array([text.encode("utf-8") for text in tokenized.token_strs], dtype=np.object_),
+        "num_input_tokens": np.array([len(tokenized.token_ids)], dtype=np.uint32),
+        "max_model_len": np.array([max_model_len], dtype=np.uint32),
+    }
 
 
 def _logprob_entry(lp: TokenLogprob) -> dict:
@@ -126,9 +167,11 @@ class ResponseBuilder:
         self.num_output_tokens = [0] * count
         self.num_reported_tokens = [0] * count  # streaming: num_output_tokens counts each response's own tokens
         self.prompt_logprobs: list | None = None
+        self.prompt_token_ids: list[int] | None = None
         self.hidden_states: list[list] = [[] for _ in range(count)]
         self.prompt_hidden_states: list | None = None
         self.routed_experts: list[list] = [[] for _ in range(count)]
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]
         if not request.stream and not request.exclude_input_in_output and isinstance(request.prompt, str):
             self.texts = [request.prompt] * count
 
@@ -136,11 +179,14 @@ class ResponseBuilder:
         count = self.request.params.num_sequences
         if self.request.stream:  # each response carries only what is new
             self.texts, self.logprobs = [""] * count, [[] for _ in range(count)]
-            self.prompt_logprobs, self.prompt_hidden_states = None, None
+            self.prompt_logprobs, self.prompt_hidden_states, self.prompt_token_ids = None, None, None
             self.hidden_states = [[] for _ in range(count)]
             self.routed_experts = [[] for _ in range(count)]
+            self.token_ids = [[] for _ in range(count)]
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = [_logprob_entry(lp) for lp in output.prompt_logprobs]
+        if output.prompt_token_ids is not None:
+            self.prompt_token_ids = output.prompt_token_ids
         if output.prompt_hidden_states is not None:
             self.prompt_hidden_states = output.prompt_hidden_states.tolist()
         for delta in output.choices:
@@ -149,6 +195,7 @@ class ResponseBuilder:
             self.logprobs[i].extend(map(_logprob_entry, delta.logprobs))
             self.hidden_states[i].extend(row.tolist() for row in delta.hidden_states)
             self.routed_experts[i].extend(experts.tolist() for experts in delta.routed_experts)
+            self.token_ids[i].extend(delta.token_ids)
             self.cumulative_logprobs[i] = delta.cumulative_logprob
             self.num_output_tokens[i] = delta.num_output_tokens
             self.finish_reasons[i] = delta.finish_reason or RUNNING
@@ -188,6 +235,10 @@ class ResponseBuilder:
         if self.prompt_hidden_states is not None:
             tensors["prompt_hidden_states"] = np.array([json.dumps(self.prompt_hidden_states).encode()],
                                                        dtype=np.object_)
+        if "token_ids" in wanted:
+            tensors["token_ids"] = strings([json.dumps(ids) for ids in self.token_ids])
+        if "prompt_token_ids" in wanted and self.prompt_token_ids is not None:
+            tensors["prompt_token_ids"] = np.array(self.prompt_token_ids, dtype=np.int32)
         if "num_input_tokens" in wanted:
             tensors["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
         if "num_output_tokens" in wanted:  # the tokens this response carries, as vllm_backend counts them

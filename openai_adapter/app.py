@@ -29,14 +29,21 @@ from openai_adapter.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     GenerationRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    parse_by_shape,
     parse_request,
 )
 from openai_adapter.sse import completion_events
 from openai_adapter.settings import AdapterSettings
 from openai_adapter.shutdown import CANCELLED_EXIT_S, Drain, DrainingServer, shutting_down
+from openai_adapter.tokenization import TokenizationService
 from openai_adapter.triton_client import TritonClient
 
 
@@ -50,6 +57,7 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         app.state.triton = triton
         app.state.completions = CompletionService(triton, settings.served_model_name, settings.lora_dir is not None)
         app.state.chat = ChatService(app.state.completions)
+        app.state.tokenization = TokenizationService(triton, settings.served_model_name)
         try:
             yield
         finally:
@@ -66,14 +74,14 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     with_auth = settings.api_key is not None
     # Authentication runs as a dependency, before the body is read: strangers cannot make us read it.
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_dependency(settings.api_key))] if with_auth else [])
+    auth = [Depends(api_key_dependency(settings.api_key))] if with_auth else []
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+    vllm_routes = APIRouter(dependencies=auth)  # vLLM's routes outside /v1
 
-    async def generate(
-        request: Request, model: type[GenerationRequest], service: CompletionService | ChatService
-    ) -> Response:
-        # Parsed by hand (not as a FastAPI body parameter) so every malformed body gets an OpenAI-format 400.
+    async def generate(request: Request, generation_request: GenerationRequest) -> Response:
+        service: CompletionService | ChatService = request.app.state.chat \
+            if isinstance(generation_request, ChatCompletionRequest) else request.app.state.completions
         deadline_s = request_deadline(request.headers, settings)
-        generation_request = parse_request(await read_body(request, settings.max_body_bytes), model)
         check_limits(generation_request, settings)
         if generation_request.stream:
             chunks = stream_within(service.stream(generation_request), deadline_s)
@@ -91,12 +99,15 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     @v1.post("/completions", **generation_route_docs(CompletionRequest, CompletionResponse, CompletionResponse,
                                                      with_auth))
     async def create_completion(request: Request) -> Response:
-        return await generate(request, CompletionRequest, request.app.state.completions)
+        # Parsed by hand (not as a FastAPI body parameter) so every malformed body gets an OpenAI-format 400.
+        return await generate(request, parse_request(await read_body(request, settings.max_body_bytes),
+                                                     CompletionRequest))
 
     @v1.post("/chat/completions", **generation_route_docs(ChatCompletionRequest, ChatCompletionResponse,
                                                           ChatCompletionChunk, with_auth))
     async def create_chat_completion(request: Request) -> Response:
-        return await generate(request, ChatCompletionRequest, request.app.state.chat)
+        return await generate(request, parse_request(await read_body(request, settings.max_body_bytes),
+                                                     ChatCompletionRequest))
 
     async def engine_metrics() -> list[Metric] | None:
         """Triton's metric families; None when unknown (no --triton-metrics-url) or unreachable."""
@@ -108,14 +119,15 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             return None
 
     @v1.get("/models", responses=error_responses(401) if with_auth else None)
-    async def list_models() -> ModelList:
+    async def list_models(request: Request) -> ModelList:
         """The base model, then each LoRA adapter as `<base>:<adapter>` (what `model` accepts)."""
-        return ModelList(data=await model_cards(settings, started))
+        return ModelList(data=await model_cards(settings, started, request.app.state.triton))
 
     @v1.get("/models/{model:path}", responses=error_responses(*((401, 404) if with_auth else (404,))))
-    async def retrieve_model(model: str) -> ModelCard:
+    async def retrieve_model(request: Request, model: str) -> ModelCard:
         """One entry of /v1/models (adapter names may hold slashes); 404 model_not_found for any other."""
-        card = next((card for card in await model_cards(settings, started) if card.id == model), None)
+        cards = await model_cards(settings, started, request.app.state.triton)
+        card = next((card for card in cards if card.id == model), None)
         if card is None:
             raise model_not_found(model)
         return card
@@ -128,7 +140,28 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             raise service_unavailable("The engines' metrics cannot be read (is --triton-metrics-url set?).")
         return sglang_loads(families)
 
+    @vllm_routes.post("/tokenize", responses=error_responses(*((400, 401, 404) if with_auth else (400, 404))))
+    async def tokenize(request: Request) -> TokenizeResponse:
+        """vLLM's: a prompt's (or a chat's rendered) token ids, from the engine's tokenizer."""
+        body = parse_by_shape(await read_body(request, settings.max_body_bytes), TokenizeChatRequest,
+                              TokenizeCompletionRequest)
+        return await request.app.state.tokenization.tokenize(body)
+
+    @vllm_routes.post("/detokenize", responses=error_responses(*((400, 401, 404) if with_auth else (400, 404))))
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        """vLLM's: the text of token ids."""
+        body = parse_request(await read_body(request, settings.max_body_bytes), DetokenizeRequest)
+        return await request.app.state.tokenization.detokenize(body)
+
+    @vllm_routes.post("/invocations", **generation_route_docs(CompletionRequest, CompletionResponse,
+                                                              CompletionResponse, with_auth))
+    async def invocations(request: Request) -> Response:
+        """vLLM's (SageMaker's) route: a chat completion when the body has `messages`, else a completion."""
+        return await generate(request, parse_by_shape(await read_body(request, settings.max_body_bytes),
+                                                      ChatCompletionRequest, CompletionRequest))
+
     app.include_router(v1)
+    app.include_router(vllm_routes)
 
     @app.get("/health", responses=error_responses(503))
     async def health(request: Request) -> dict:

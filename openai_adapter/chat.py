@@ -37,27 +37,31 @@ class ChatService:
             choices=[
                 ChatCompletionChoice(
                     index=choice.index,
-                    message=AssistantMessage(content=choice.text),
+                    message=AssistantMessage(role=request.response_role(), content=choice.text),
                     logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,
                     finish_reason=choice.finish_reason,
                     matched_stop=choice.matched_stop,
                     hidden_states=choice.hidden_states,
+                    token_ids=choice.token_ids,
                 )
                 for choice in completion.choices
             ],
             usage=completion.usage,
             sglext=completion.sglext,
+            prompt_token_ids=completion.choices[0].prompt_token_ids,  # (one prompt: the conversation)
         )
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
         """Chat chunks; each choice's first one carries the assistant role, and one its finish reason."""
         started: set[int] = set()
         async for chunk in self._completions.stream(request):
-            yield _chat_chunk(chunk, started, request.engine_logprobs())
+            yield _chat_chunk(chunk, started, request)
 
 
-def _chat_chunk(chunk: CompletionResponse, started: set[int], num_top: int | None) -> ChatCompletionChunk:
+def _chat_chunk(chunk: CompletionResponse, started: set[int], request: ChatCompletionRequest) -> ChatCompletionChunk:
     """One completion chunk as a chat chunk; `started` holds the choices that have had their first chunk."""
+    # vLLM's shape: the conversation's token ids once, in the stream's first chunk
+    prompt_token_ids = next((choice.prompt_token_ids for choice in chunk.choices), None) if not started else None
     choices = []
     for choice in chunk.choices:
         first = choice.index not in started
@@ -66,14 +70,15 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int], num_top: int | Non
             ChatChunkChoice(
                 index=choice.index,
                 # SGLang streams hidden states in the delta (of a chunk of their own)
-                delta=ChatDelta(role="assistant" if first else None, content=choice.text,
+                delta=ChatDelta(role=request.response_role() if first else None, content=choice.text,
                                 hidden_states=choice.hidden_states),
-                logprobs=chat_logprobs(choice.logprobs, num_top) if choice.logprobs else None,
+                logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,
                 finish_reason=choice.finish_reason,
                 matched_stop=choice.matched_stop,
+                token_ids=choice.token_ids,
             )
         )
     return ChatCompletionChunk(
         id=_chat_id(chunk.id), created=chunk.created, model=chunk.model, choices=choices, usage=chunk.usage,
-        sglext=chunk.sglext,
+        sglext=chunk.sglext, prompt_token_ids=prompt_token_ids,
     )

@@ -35,7 +35,7 @@ from openai_adapter.protocol import (
     StreamOptions,
     Usage,
 )
-from openai_adapter.triton_client import ChoiceOutput, TritonChunk, TritonClient
+from openai_adapter.triton_client import ChoiceOutput, GenerateRequest, TritonChunk, TritonClient
 
 
 def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
@@ -52,7 +52,7 @@ def engine_parameters(request: GenerationRequest) -> SamplingParams:
     values |= {
         "logprobs": request.engine_logprobs(),
         "prompt_logprobs": engine_prompt_logprobs(request),
-        "return_prompt_hidden_states": request.return_hidden_states and request.echo,
+        "return_prompt_hidden_states": request.return_hidden_states and request.echo and request.echoes_prompt,
     }
     constraint = request.constraint()  # more than one → 400
     if constraint is not None:
@@ -83,20 +83,28 @@ def _api_name(request: GenerationRequest, engine_field: str | None) -> str | Non
 class _ChoiceState:
     """One choice of the completion, built up from the responses of its Triton request."""
 
-    def __init__(self, index: int, with_logprobs: bool, with_hidden_states: bool, with_routed_experts: bool) -> None:
+    def __init__(self, index: int, request: GenerationRequest) -> None:
         self.index = index
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None
         self.num_output_tokens = 0
         self._text_parts: list[str] = []
         self._unsent_echo = _NO_ECHO
-        self._logprobs = LogprobsAccumulator() if with_logprobs else None
-        self._hidden_states: list[list[float]] | None = [] if with_hidden_states else None
-        self._routed_experts: list[list[list[int]]] | None = [] if with_routed_experts else None
+        self._logprobs = LogprobsAccumulator(request.return_tokens_as_token_ids) \
+            if request.engine_logprobs() is not None else None
+        self._hidden_states: list[list[float]] | None = [] if request.return_hidden_states else None
+        self._routed_experts: list[list[list[int]]] | None = [] if request.return_routed_experts else None
+        self._token_ids: list[int] | None = [] if request.return_token_ids else None
+        self.prompt_token_ids: list[int] | None = None
+        self._unsent_prompt_token_ids = False
 
     def echo(self, echo: Echo) -> None:
         """Put the prompt before the choice's text; it goes out with the next output."""
         self._unsent_echo = echo
+
+    def set_prompt_token_ids(self, token_ids: list[int]) -> None:
+        """The prompt's token ids (return_token_ids): they go out with the next output."""
+        self.prompt_token_ids, self._unsent_prompt_token_ids = token_ids, True
 
     def echo_hidden_states(self, rows: list[list[float]]) -> None:
         """Put the prompt's hidden states before the choice's own."""
@@ -117,15 +125,22 @@ class _ChoiceState:
         if self._routed_experts is not None:
             routed_experts = output.routed_experts
             self._routed_experts.extend(routed_experts)
+        token_ids = None
+        if self._token_ids is not None:
+            token_ids = output.token_ids
+            self._token_ids.extend(token_ids)
+        prompt_token_ids = self.prompt_token_ids if self._unsent_prompt_token_ids else None
         self._text_parts.append(text)
         self.finish_reason = output.finish_reason
         self.matched_stop = output.matched_stop
         self.num_output_tokens += output.num_output_tokens or 0
         logprobs = self._logprobs.add(entries) if self._logprobs else None
-        if not text and not entries and not routed_experts and self.finish_reason is None:
+        if not (text or entries or routed_experts or token_ids or prompt_token_ids) and self.finish_reason is None:
             return None
+        self._unsent_prompt_token_ids = False
         return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
-                                matched_stop=self.matched_stop, routed_experts=routed_experts)
+                                matched_stop=self.matched_stop, routed_experts=routed_experts, token_ids=token_ids,
+                                prompt_token_ids=prompt_token_ids)
 
     def hidden_states_chunk(self) -> CompletionChoice | None:
         """SGLang's stream shape: a choice's hidden states come once its text has ended, in a chunk of their own
@@ -144,6 +159,8 @@ class _ChoiceState:
             matched_stop=self.matched_stop,
             hidden_states=self._hidden_states,
             routed_experts=self._routed_experts,
+            token_ids=self._token_ids,
+            prompt_token_ids=self.prompt_token_ids,
         )
 
 
@@ -160,18 +177,13 @@ class CompletionAssembler:
         self._n = request.n
         self._logprobs = request.engine_logprobs()
         self._prompts = request.prompts()
-        self._choices = [
-            _ChoiceState(index=index, with_logprobs=self._logprobs is not None,
-                         with_hidden_states=request.return_hidden_states,
-                         with_routed_experts=request.return_routed_experts)
-            for index in range(len(self._prompts) * request.n)
-        ]
+        self._choices = [_ChoiceState(index, request) for index in range(len(self._prompts) * request.n)]
         # Prompts whose echo is built from the prompt logprobs of their first response carrying them.
         self._awaiting_echo: set[int] = set()
         if request.echo and echo_prompt_logprobs(request) is None:
             for prompt_index, prompt in enumerate(self._prompts):
                 for state in self._choices_of(prompt_index):
-                    state.echo(Echo(prompt, []))
+                    state.echo(Echo(request.echoed_text(prompt), []))
         elif request.echo:
             self._awaiting_echo = set(range(len(self._prompts)))
         # vLLM's prompt_logprobs of each prompt, when asked for: given to each of its choices
@@ -181,6 +193,7 @@ class CompletionAssembler:
         self._cached_tokens = [0] * len(self._prompts)
         self._with_cache_details = request.return_cached_tokens_details
         self._with_routed_experts = request.return_routed_experts
+        self._with_token_ids = request.return_token_ids
 
     def add(self, prompt_index: int, chunk: TritonChunk) -> list[CompletionChoice]:
         """Record a response to the request of prompt `prompt_index`; returns the choices with news."""
@@ -198,6 +211,9 @@ class CompletionAssembler:
             echo = echo_from_prompt_logprobs(self._prompts[prompt_index], chunk.prompt_logprobs, self._logprobs)
             for state in states:
                 state.echo(echo)
+        if chunk.prompt_token_ids is not None and self._with_token_ids:
+            for state in states:
+                state.set_prompt_token_ids(chunk.prompt_token_ids)
         if chunk.prompt_hidden_states is not None:  # asked for only with echo
             for state in states:
                 state.echo_hidden_states(chunk.prompt_hidden_states)
@@ -329,10 +345,9 @@ class CompletionService:
         """Responses of all the prompts' Triton requests, run concurrently, tagged with the prompt index."""
         calls = [
             self._triton.generate(
-                prompt,
-                parameters,
-                stream=request.stream,
-                return_logprobs=request.engine_logprobs() is not None,
+                GenerateRequest(prompt, parameters, stream=request.stream,
+                                return_logprobs=request.engine_logprobs() is not None,
+                                return_token_ids=request.return_token_ids, prompt_options=request.prompt_options()),
                 request_id=f"{completion_id}-{prompt_index}",
             )
             for prompt_index, (prompt, parameters) in enumerate(zip(request.prompts(), prompt_parameters))

@@ -21,7 +21,7 @@ class Echo:
 
 def echo_prompt_logprobs(request: GenerationRequest) -> int | None:
     """The `prompt_logprobs` the engine must return for the request's echo; None when echo needs none."""
-    if not request.echo:
+    if not (request.echo and request.echoes_prompt):
         return None
     if request.logprobs is not None:
         return request.logprobs

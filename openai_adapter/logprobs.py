@@ -42,18 +42,26 @@ def _top_logprobs(entry: dict) -> dict[str, float] | None:
     return top
 
 
-def completion_logprobs(entries: list[dict], start_offset: int) -> tuple[CompletionLogprobs, int]:
+def as_token_ids(entry: dict) -> dict:
+    """The entry with each token named `token_id:<id>` (vLLM's return_tokens_as_token_ids)."""
+    return {token_id: {**value, "decoded_token": f"token_id:{token_id}"} for token_id, value in entry.items()}
+
+
+def completion_logprobs(entries: list[dict], start_offset: int, name_by_id: bool = False
+                        ) -> tuple[CompletionLogprobs, int]:
     """Logprobs of consecutive tokens whose text starts `start_offset` characters into the choice's text,
-    and the offset just past their text."""
+    and the offset just past their text; `name_by_id`: tokens named `token_id:<id>` (the offsets still count
+    their texts)."""
     logprobs = CompletionLogprobs()
     offset = start_offset
     for entry in entries:
-        token = token_of(entry)
+        named = as_token_ids(entry) if name_by_id else entry
+        token = token_of(named)
         logprobs.tokens.append(token["decoded_token"])
         logprobs.token_logprobs.append(token["logprob"])
-        logprobs.top_logprobs.append(_top_logprobs(entry))
+        logprobs.top_logprobs.append(_top_logprobs(named))
         logprobs.text_offset.append(offset)
-        offset += len(token["decoded_token"])
+        offset += len(token_of(entry)["decoded_token"])
     return logprobs, offset
 
 
@@ -63,13 +71,14 @@ class LogprobsAccumulator:
     Offsets count from the start of the choice's text, an echoed prompt included, whose tokens come first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name_by_id: bool = False) -> None:
         self._next_offset = 0
+        self._name_by_id = name_by_id
         self.total = CompletionLogprobs()
 
     def add(self, entries: list[dict]) -> CompletionLogprobs:
         """Record new tokens' entries; returns the logprobs of just these tokens."""
-        piece, self._next_offset = completion_logprobs(entries, self._next_offset)
+        piece, self._next_offset = completion_logprobs(entries, self._next_offset, self._name_by_id)
         self.total.tokens.extend(piece.tokens)
         self.total.token_logprobs.extend(piece.token_logprobs)
         self.total.top_logprobs.extend(piece.top_logprobs)

@@ -1,14 +1,17 @@
 """What /v1/models lists: the served model, then each LoRA adapter of the adapters directory (shared with the
 engine, named by the rules of backend/interface/lora_names.py) as `<model>:<adapter>`. The engine's metrics add
-what only it knows: its `max_model_len`, and whether an adapter holds a slot now (`loaded`)."""
+what only it knows: its `max_model_len`, and whether an adapter holds a slot now (`loaded`); its model
+configuration the base model's path (vLLM's `root`)."""
 
 import logging
+from pathlib import Path
 
 from backend.interface.lora_names import available_adapters
 from backend.interface.metric_names import GAUGES, LORA_LOADED
 from openai_adapter.engine_metrics import read_engine_metrics
 from openai_adapter.protocol import ModelCard
 from openai_adapter.settings import AdapterSettings
+from openai_adapter.triton_client import TritonClient
 
 logger = logging.getLogger(__name__)
 
@@ -24,18 +27,19 @@ async def _engine_samples(metrics_url: str | None) -> list | None:
         return None
 
 
-async def model_cards(settings: AdapterSettings, created: int) -> list[ModelCard]:
+async def model_cards(settings: AdapterSettings, created: int, triton: TritonClient) -> list[ModelCard]:
     samples = await _engine_samples(settings.triton_metrics_url)
     # with several engine instances, the smallest context is the one every request fits
     max_model_len = min((int(sample.value) for sample in samples or () if sample.name == GAUGES["max_model_len"][0]),
                         default=None)
     base = settings.served_model_name
-    cards = [ModelCard(id=base, created=created, max_model_len=max_model_len)]
+    cards = [ModelCard(id=base, created=created, root=await triton.model_path(), max_model_len=max_model_len)]
     if settings.lora_dir is not None:
         loaded = None if samples is None else {  # held by any engine instance
             sample.labels["adapter"] for sample in samples if sample.name == LORA_LOADED[0] and sample.value == 1.0}
         cards += [
-            ModelCard(id=f"{base}:{name}", created=created, parent=base, max_model_len=max_model_len,
+            ModelCard(id=f"{base}:{name}", created=created, root=str(Path(settings.lora_dir) / name), parent=base,
+                      max_model_len=max_model_len,
                       loaded=None if loaded is None else name in loaded)
             for name in available_adapters(settings.lora_dir)
         ]

@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from backend.interface.parameters import CONSTRAINTS, MAX_TOKEN_ID, PARAMETERS, Parameter
-from backend.interface.tensors import CHAT_ROLES, message_text
+from backend.interface.tensors import CHAT_ROLES, chat_template_conflict, message_text
 from openai_adapter.errors import from_validation_error, invalid_request
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -91,6 +91,20 @@ class NullMeansDefault(BaseModel):
         return None if field is None else field.default
 
 
+class _WithExtensions(BaseModel):
+    """An object with SGLang / vLLM extension fields, which appear only when the request asked for them."""
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_extensions(self, handler) -> dict:
+        data = handler(self)
+        for name in self.EXTENSIONS:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
 class StreamOptions(NullMeansDefault):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -113,15 +127,7 @@ class NotYetSupportedParameters(BaseModel):
     guided_whitespace_pattern: str | None = None
     logits_processors: list[Any] | None = None
     custom_logit_processor: str | None = None  # SGLang's
-    return_tokens_as_token_ids: bool = False
-    return_token_ids: bool = False
     priority: int = 0  # vLLM and SGLang refuse other priorities without priority scheduling too
-
-
-class NotYetSupportedCompletionParameters(BaseModel):
-    """Completion-only ones, like NotYetSupportedParameters."""
-
-    add_special_tokens: bool = True  # text prompts are tokenized with the tokenizer's special tokens (BOS)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -250,6 +256,12 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, Eng
     lora_path: str | list[str | None] | None = None
     """SGLang extension: the LoRA adapter (its name or a path inside the server's adapters directory), or one
     per prompt (null: the base model). `model: "<served model>:<adapter>"` says the same."""
+    return_token_ids: bool = False
+    """vLLM extension: each choice's `token_ids` (streamed: each chunk's new ones) and the prompt's
+    `prompt_token_ids` (streamed: in the first chunk)."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM extension: logprobs name each token `token_id:<id>` instead of its text (texts that are not whole
+    characters stay identifiable)."""
 
     def api_name(self, engine_field: str | None) -> str | None:
         """This request's name for an engine sampling parameter."""
@@ -267,10 +279,12 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, Eng
         return None
 
 
-class CompletionRequest(SamplingRequest, NotYetSupportedCompletionParameters):
+class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions."""
 
     prompt: Prompt
+    add_special_tokens: bool = True
+    """vLLM extension: false tokenizes text prompts without the tokenizer's special tokens (BOS)."""
     suffix: str | None = None
     """Only empty: the served model has no fill-in-the-middle support (checked by the service)."""
     echo: bool = False
@@ -307,8 +321,13 @@ class CompletionRequest(SamplingRequest, NotYetSupportedCompletionParameters):
         """The engine's `logprobs` (top candidates per token); None: no logprobs."""
         return self.logprobs
 
-    def unsupported_parameter(self) -> str | None:
-        return super().unsupported_parameter() or self._first_non_neutral(NotYetSupportedCompletionParameters)
+    echoes_prompt: ClassVar[bool] = True  # echo puts the prompt (its tokens, with logprobs) first
+
+    def prompt_options(self) -> dict[str, bool]:
+        return {} if self.add_special_tokens else {"add_special_tokens": False}
+
+    def echoed_text(self, prompt: str) -> str:
+        return prompt
 
 
 ChatRole = Literal[CHAT_ROLES]
@@ -333,27 +352,45 @@ class NotYetSupportedChatParameters(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated spelling of tools
     function_call: str | dict[str, Any] | None = None
-    # vLLM's chat template controls: the engine always renders the model's own template, ready for an answer
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's own template per request: the engine renders the model's
     prompt_logprobs: int | None = None  # vLLM's; the completions API has it
 
 
-class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
-    """Body of POST /v1/chat/completions. The engine renders the messages with the model's chat template."""
+class ChatMessages(BaseModel):
+    """A conversation, which the engine renders with the model's chat template, and vLLM's controls of the
+    rendering."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = engine_field("max_tokens", None)
-    """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are given."""
-    max_completion_tokens: int | None = engine_field("max_tokens", None)
-    logprobs: bool = False
-    top_logprobs: int | None = engine_field("logprobs")
-    # Completion-only features, fixed off so the completion service can run chat requests unchanged.
-    echo: ClassVar[bool] = False
-    suffix: ClassVar[None] = None
+    add_generation_prompt: bool = True
+    """End the rendered conversation with the assistant's turn opened."""
+    continue_final_message: bool = False
+    """Leave the final message open for the model to continue it ("prefill"); needs add_generation_prompt false."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens (BOS) on top of what the chat template puts in."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. a model's `enable_thinking`)."""
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _check_continue_final_message(cls, continue_final_message: bool, info: ValidationInfo) -> bool:
+        conflict = chat_template_conflict(info.data.get("add_generation_prompt", True), continue_final_message)
+        if conflict:
+            raise ValueError(conflict)
+        return continue_final_message
+
+    def prompt_options(self) -> dict[str, bool | str]:
+        """The engine's PROMPT_OPTIONS inputs for the conversation."""
+        options: dict[str, bool | str] = {"add_generation_prompt": self.add_generation_prompt,
+                                          "continue_final_message": self.continue_final_message,
+                                          "add_special_tokens": self.add_special_tokens}
+        if self.chat_template_kwargs:
+            options["chat_template_kwargs"] = json.dumps(self.chat_template_kwargs)
+        return options
+
+    def response_role(self) -> str:
+        """vLLM's role of the answer: the assistant's after a generation prompt, else the final message's (which
+        is continued)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
 
     @field_validator("messages", mode="wrap")
     @classmethod
@@ -370,6 +407,26 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
         if not messages:
             raise ValueError("messages must not be empty")
         return messages
+
+    def conversation(self) -> list[dict]:
+        """The messages as the engine's `messages` input takes them."""
+        return [message.model_dump() for message in self.messages]
+
+
+class ChatCompletionRequest(SamplingRequest, ChatMessages, NotYetSupportedChatParameters):
+    """Body of POST /v1/chat/completions. The engine renders the messages with the model's chat template."""
+
+    max_tokens: int | None = engine_field("max_tokens", None)
+    """Deprecated by OpenAI in favour of max_completion_tokens, which wins when both are given."""
+    max_completion_tokens: int | None = engine_field("max_tokens", None)
+    logprobs: bool = False
+    top_logprobs: int | None = engine_field("logprobs")
+    echo: bool = False
+    """vLLM extension: the answer starts with the final message's content when the answer continues that
+    message's role (see response_role)."""
+    # Completion-only features, fixed off so the completion service can run chat requests unchanged.
+    suffix: ClassVar[None] = None
+    echoes_prompt: ClassVar[bool] = False  # chat's echo repeats a message, not the prompt's tokens
 
     @field_validator("top_logprobs")
     @classmethod
@@ -393,10 +450,14 @@ class ChatCompletionRequest(SamplingRequest, NotYetSupportedChatParameters):
 
     def prompts(self) -> list[list[dict]]:
         """One prompt: the conversation, which the engine renders."""
-        return [[message.model_dump() for message in self.messages]]
+        return [self.conversation()]
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def echoed_text(self, prompt: list[dict]) -> str:
+        final = self.messages[-1]
+        return final.content if final.role == self.response_role() else ""
 
     def unsupported_parameter(self) -> str | None:
         return super().unsupported_parameter() or self._first_non_neutral(NotYetSupportedChatParameters)
@@ -406,18 +467,83 @@ GenerationRequest = CompletionRequest | ChatCompletionRequest
 """What the completion service runs."""
 
 
-def parse_request(body: bytes, model: type[GenerationRequest]) -> GenerationRequest:
-    """Parse and validate a raw request body; every failure is a 400 naming the offending parameter."""
+class TokenizeCompletionRequest(BaseModel):
+    """Body of POST /tokenize with a text prompt (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    """False: without the tokenizer's special tokens (BOS)."""
+    return_token_strs: bool = False
+    """Also return each token's string (the tokenizer's own, e.g. "Ġthe")."""
+
+    def prompt_options(self) -> dict[str, bool]:
+        return {"add_special_tokens": self.add_special_tokens}
+
+
+class TokenizeChatRequest(ChatMessages):
+    """Body of POST /tokenize with chat messages (vLLM's): the rendered conversation's tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class TokenizeResponse(_WithExtensions):
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("token_strs",)
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def _json_object(body: bytes) -> dict:
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise invalid_request(f"The request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.")
+    return data
+
+
+def _validated(data: dict, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as error:
         raise from_validation_error(error) from None
+
+
+def parse_request(body: bytes, model: type[BaseModel]) -> Any:
+    """Parse and validate a raw request body as `model`; every failure is a 400 naming the offending parameter."""
+    return _validated(_json_object(body), model)
+
+
+def parse_by_shape(body: bytes, chat_model: type[ChatMessages], text_model: type[BaseModel]) -> Any:
+    """A body that holds `messages` as `chat_model`, any other as `text_model` (vLLM's /tokenize and
+    /invocations tell them apart so)."""
+    data = _json_object(body)
+    return _validated(data, chat_model if "messages" in data else text_model)
 
 
 class CompletionLogprobs(BaseModel):
@@ -427,17 +553,14 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
-class _WithHiddenStates(BaseModel):
-    """A choice's `hidden_states` (SGLang extension): present only when requested."""
+class _WithHiddenStates(_WithExtensions):
+    """A choice's `hidden_states` (SGLang's) and `token_ids` (vLLM's)."""
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("hidden_states", "token_ids")
 
     hidden_states: list[list[float]] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_hidden_states(self, handler) -> dict:
-        data = handler(self)
-        if data.get("hidden_states") is None:
-            data.pop("hidden_states", None)
-        return data
+    token_ids: list[int] | None = None
+    """vLLM extension (return_token_ids): the choice's token ids (a stream chunk: its new ones)."""
 
 
 class Logprob(BaseModel):
@@ -449,6 +572,8 @@ class Logprob(BaseModel):
 
 
 class CompletionChoice(_WithHiddenStates):
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("hidden_states", "token_ids", "prompt_token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -460,6 +585,8 @@ class CompletionChoice(_WithHiddenStates):
     matched_stop: str | int | None = None
     """SGLang extension: the stop string (or the stop_regex pattern that matched) or the stop token id (EOS included)
     that ended the choice; null while it runs or when it ended otherwise (e.g. by length)."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM extension (return_token_ids): the prompt's token ids (streamed: in the choice's first chunk)."""
     routed_experts: list[list[list[int]]] | None = Field(None, exclude=True)
     """The choice's [MoE layers][top_k] expert ids per token, when requested: the response carries them in
     `sglext.routed_experts`, not in the choice."""
@@ -498,21 +625,16 @@ class SglExt(BaseModel):
         return {name: value for name, value in handler(self).items() if value is not None}
 
 
-class _ResponseBase(BaseModel):
+class _ResponseBase(_WithExtensions):
     """Fields every completion and chat response or chunk has."""
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("sglext",)
 
     id: str
     created: int
     model: str
     usage: Usage | None = None
     sglext: SglExt | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_extension(self, handler) -> dict:
-        data = handler(self)
-        if data.get("sglext") is None:
-            data.pop("sglext", None)
-        return data
 
 
 class CompletionResponse(_ResponseBase):
@@ -538,7 +660,8 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: ChatRole = "assistant"
+    """The final message's role when it is continued (add_generation_prompt false), as vLLM."""
     content: str
 
 
@@ -551,13 +674,20 @@ class ChatCompletionChoice(_WithHiddenStates):
     """SGLang extension, as in CompletionChoice."""
 
 
-class ChatCompletionResponse(_ResponseBase):
+class _ChatResponseBase(_ResponseBase):
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("sglext", "prompt_token_ids")
+
+    prompt_token_ids: list[int] | None = None
+    """vLLM extension (return_token_ids): the rendered conversation's token ids (streamed: in the first chunk)."""
+
+
+class ChatCompletionResponse(_ChatResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: ChatRole | None = None
     """Only in a choice's first chunk."""
     content: str
     hidden_states: list[list[float]] | None = None
@@ -569,15 +699,19 @@ class ChatDelta(BaseModel):
                 if value is not None or name not in ("role", "hidden_states")}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithExtensions):
+    EXTENSIONS: ClassVar[tuple[str, ...]] = ("token_ids",)
+
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    token_ids: list[int] | None = None
+    """vLLM extension (return_token_ids): the chunk's new token ids."""
 
 
-class ChatCompletionChunk(_ResponseBase):
+class ChatCompletionChunk(_ChatResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
 
@@ -587,6 +721,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tritonllm"
+    root: str | None = None
+    """vLLM's: the base model's path, a LoRA adapter's directory; absent when Triton cannot be asked."""
     parent: str | None = None
     """A LoRA adapter's base model (vLLM's field); absent for the base model."""
     max_model_len: int | None = None

@@ -22,7 +22,8 @@ class AdapterSettings:
                                       option="shutdown-grace")
     health_timeout_s: float = setting(2.0, "seconds /health may wait for Triton's readiness answers",
                                       option="health-timeout")
-    api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on /v1 routes (unset: no auth)",
+    api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on the API routes (/v1, /tokenize, "
+                                  "/detokenize, /invocations; unset: no auth)",
                                   secret=True)
     max_body_bytes: int = setting(4 * 1024 * 1024, "largest request body in bytes (413 beyond)")
     max_prompts: int = setting(64, "prompts in one batched request (each becomes its own Triton request)")

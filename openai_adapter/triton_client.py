@@ -14,12 +14,14 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
+from tritonclient.utils import InferenceServerException
 
 from backend.interface.errors import decode
 from backend.interface.tensors import RUNNING
@@ -66,6 +68,8 @@ class ChoiceOutput:
     """Final hidden states of the new tokens; empty unless return_hidden_states was requested."""
     routed_experts: list[list[list[int]]] = field(default_factory=list)
     """[MoE layers][top_k] expert ids of each new token; empty unless return_routed_experts was requested."""
+    token_ids: list[int] = field(default_factory=list)
+    """The new tokens' ids; empty unless return_token_ids was requested."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,34 @@ class TritonChunk:
     requested."""
     prompt_hidden_states: list[list[float]] | None = None
     """Final hidden states of every prompt token, in one response only, when requested (echo)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids, in the first response only, when requested."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request to the `llm` model: a prompt and what goes with it."""
+
+    prompt: str | list[int] | list[dict]
+    """A text, token ids, or chat messages (the engine applies the model's chat template)."""
+    sampling_parameters: dict
+    stream: bool
+    return_logprobs: bool = False
+    return_token_ids: bool = False
+    """The new tokens' ids per choice, and the prompt's once."""
+    prompt_options: dict[str, bool | str] = field(default_factory=dict)
+    """PROMPT_OPTIONS inputs (backend/interface/tensors.py) by name, a bool for a BOOL input, a string for a STRING
+    one; an absent one keeps the engine's default."""
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """The answer to a tokenize_only request: a prompt as the engine sees it."""
+
+    token_ids: list[int]
+    token_strs: list[str]
+    text: str
+    max_model_len: int
 
 
 class TritonClient:
@@ -113,27 +145,44 @@ class TritonClient:
         except Exception:
             return False
 
-    async def generate(
-        self,
-        prompt: str | list[int] | list[dict],
-        sampling_parameters: dict,
-        *,
-        stream: bool,
-        return_logprobs: bool,
-        request_id: str,
-    ) -> AsyncIterator[TritonChunk]:
+    async def model_path(self) -> str | None:
+        """The engine's model directory (its config.pbtxt `model_path`); None when Triton does not answer within
+        health_timeout_s."""
+        timeout = self._settings.health_timeout_s
+        try:
+            config = await asyncio.wait_for(self._client.get_model_config(
+                self._settings.triton_model, as_json=True, client_timeout=timeout), timeout)
+            return config["config"]["parameters"]["model_path"]["string_value"]
+        except (InferenceServerException, TimeoutError):
+            return None
+
+    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[TritonChunk]:
         """Run one generation request, yielding each of the model's responses.
 
         Raises AdapterError on an error response, a failed call, idle_timeout_s without a response, or after
         cancel_all. Closing the generator early cancels the request in Triton.
         """
+        async with aclosing(self._stream(_request_inputs(request), request_id)) as results:
+            async for result in results:
+                yield _parse_response(result)
+
+    async def tokenize(self, prompt: str | list[int] | list[dict], prompt_options: dict[str, bool | str],
+                       request_id: str) -> TokenizedPrompt:
+        """The prompt's tokens (or a token-id prompt's text), from the engine's tokenizer; nothing is generated."""
+        inputs = [*_prompt_inputs(prompt, prompt_options), _tensor("tokenize_only", np.array([True]), "BOOL")]
+        async with aclosing(self._stream(inputs, request_id)) as results:
+            async for result in results:
+                return TokenizedPrompt(token_ids=_ints(result, "prompt_token_ids"),
+                                       token_strs=_strings(result, "prompt_token_strs"),
+                                       text=_strings(result, "text_output")[0],
+                                       max_model_len=_ints(result, "max_model_len")[0])
+        raise internal_error("Triton answered a tokenize_only request with no response.")
+
+    async def _stream(self, inputs: list[InferInput], request_id: str) -> AsyncIterator[InferResult]:
+        """The responses of one request to the model, each as it arrives."""
         if self._refusal is not None:
             raise self._refusal
-        request = {
-            "model_name": self._settings.triton_model,
-            "inputs": _request_inputs(prompt, sampling_parameters, stream, return_logprobs),
-            "request_id": request_id,
-        }
+        request = {"model_name": self._settings.triton_model, "inputs": inputs, "request_id": request_id}
 
         async def requests() -> AsyncIterator[dict]:
             yield request
@@ -144,7 +193,7 @@ class TritonClient:
                 result, error = response
                 if error is not None:
                     raise _error_from_message(error.message())
-                yield _parse_response(result)
+                yield result
         except grpc.aio.AioRpcError as error:
             raise self._error_from_rpc(error) from None
         finally:
@@ -181,20 +230,26 @@ class TritonClient:
         return internal_error(f"Triton call failed ({code.name}): {error.details()}")
 
 
-def _request_inputs(
-    prompt: str | list[int] | list[dict], sampling_parameters: dict, stream: bool, return_logprobs: bool
-) -> list[InferInput]:
+def _prompt_inputs(prompt: str | list[int] | list[dict], prompt_options: dict[str, bool | str]) -> list[InferInput]:
     if isinstance(prompt, str):
         inputs = [_tensor("text_input", _bytes_array(prompt), "BYTES")]
     elif isinstance(prompt[0], dict):  # chat messages: the engine applies the model's chat template
         inputs = [_tensor("messages", _bytes_array(json.dumps(prompt)), "BYTES")]
     else:
         inputs = [_tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32")]
-    inputs.append(_tensor("stream", np.array([stream]), "BOOL"))
-    inputs.append(_tensor("sampling_parameters", _bytes_array(json.dumps(sampling_parameters)), "BYTES"))
+    inputs.extend(_tensor(name, np.array([value]), "BOOL") if isinstance(value, bool) else
+                  _tensor(name, _bytes_array(value), "BYTES") for name, value in prompt_options.items())
+    return inputs
+
+
+def _request_inputs(request: GenerateRequest) -> list[InferInput]:
+    inputs = _prompt_inputs(request.prompt, request.prompt_options)
+    inputs.append(_tensor("stream", np.array([request.stream]), "BOOL"))
+    inputs.append(_tensor("sampling_parameters", _bytes_array(json.dumps(request.sampling_parameters)), "BYTES"))
     # The adapter adds echoed prompt text itself, so Triton never returns the prompt.
     inputs.append(_tensor("exclude_input_in_output", np.array([True]), "BOOL"))
-    flags = _ALWAYS_RETURNED + (("return_logprobs",) if return_logprobs else ())
+    flags = _ALWAYS_RETURNED + (("return_logprobs",) if request.return_logprobs else ()) + (
+        ("return_token_ids", "return_prompt_token_ids") if request.return_token_ids else ())
     inputs.extend(_tensor(flag, np.array([True]), "BOOL") for flag in flags)
     return inputs
 
@@ -222,18 +277,22 @@ def _parse_response(result: InferResult) -> TritonChunk:
     hidden_states = [json.loads(rows) for rows in _strings(result, "hidden_states")] or [[]] * count
     prompt_hidden_states = _strings(result, "prompt_hidden_states")
     routed_experts = [json.loads(rows) for rows in _strings(result, "routed_experts")] or [[]] * count
+    token_ids = [json.loads(ids) for ids in _strings(result, "token_ids")] or [[]] * count
+    prompt_token_ids = result.as_numpy("prompt_token_ids")
     return TritonChunk(
         choices=[
             ChoiceOutput(text, None if finish_reason == RUNNING else finish_reason, entries, tokens, matched_stop,
-                         hidden, routed)
-            for text, finish_reason, entries, tokens, matched_stop, hidden, routed in zip(
-                texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states, routed_experts
+                         hidden, routed, ids)
+            for text, finish_reason, entries, tokens, matched_stop, hidden, routed, ids in zip(
+                texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states, routed_experts,
+                token_ids
             )
         ],
         num_input_tokens=num_input_tokens[0] if num_input_tokens else None,
         num_cached_tokens=num_cached_tokens[0] if num_cached_tokens else None,
         prompt_logprobs=json.loads(prompt_logprobs[0]) if prompt_logprobs else None,
         prompt_hidden_states=json.loads(prompt_hidden_states[0]) if prompt_hidden_states else None,
+        prompt_token_ids=None if prompt_token_ids is None else prompt_token_ids.tolist(),
     )
 
 

@@ -12,7 +12,7 @@ from openai_adapter.errors import AdapterError, invalid_request
 from openai_adapter.logprobs import LogprobsAccumulator, completion_logprobs
 from openai_adapter.protocol import CompletionRequest, CompletionResponse
 from openai_adapter.sse import DONE_EVENT, chunk_event, completion_events
-from openai_adapter.triton_client import ChoiceOutput, TritonChunk, _parse_response
+from openai_adapter.triton_client import ChoiceOutput, GenerateRequest, TritonChunk, _parse_response
 
 MODEL = "test-model"
 
@@ -51,8 +51,9 @@ class ScriptedTriton:
         self.calls: list[dict] = []
         self.closed: list = []
 
-    async def generate(self, prompt, sampling_parameters, *, stream, return_logprobs, request_id):
-        self.calls.append({"prompt": prompt, "parameters": sampling_parameters, "stream": stream})
+    async def generate(self, request, request_id):
+        prompt = request.prompt
+        self.calls.append({"prompt": prompt, "parameters": request.sampling_parameters, "stream": request.stream})
         try:
             for item in self.scripts[str(prompt)]:
                 await asyncio.sleep(0)
@@ -132,6 +133,29 @@ def test_logprobs_offsets_run_across_pieces():
     assert accumulator.add(entries[1:]).text_offset == [3]
     assert accumulator.total.text_offset == [0, 3]
     assert accumulator.total.tokens == ["Hel", "lo"]
+
+
+def test_logprob_tokens_named_by_id_keep_the_text_offsets():
+    entries = [_entry("Hel", -0.1, 1, t5=("He", -2.0)), _entry("lo", -0.2, 2)]
+    logprobs, end = completion_logprobs(entries, start_offset=0, name_by_id=True)
+    assert logprobs.tokens == ["token_id:1", "token_id:2"]
+    assert logprobs.top_logprobs == [{"token_id:1": -0.1, "token_id:5": -2.0}, {"token_id:2": -0.2}]
+    assert logprobs.text_offset == [0, 3] and end == 5  # offsets index the text, not the names
+
+
+async def test_token_ids_go_with_their_chunks_and_the_prompt_ids_with_each_choice_first():
+    triton = ScriptedTriton({"Hi": [
+        TritonChunk([ChoiceOutput("a", None, [], 1, None, token_ids=[7])], 2, 0, None, prompt_token_ids=[1, 2]),
+        TritonChunk([ChoiceOutput("b", "stop", [], 1, None, token_ids=[8])], 2, 0, None),
+    ]})
+    chunks = [chunk async for chunk in CompletionService(triton, MODEL).stream(_request(stream=True,
+                                                                                         return_token_ids=True))]
+    dumped = [chunk.choices[0].model_dump() for chunk in chunks]
+    assert [(c["token_ids"], c.get("prompt_token_ids")) for c in dumped] == [([7], [1, 2]), ([8], None)]
+    whole = await CompletionService(triton, MODEL).complete(_request(return_token_ids=True))
+    assert (whole.choices[0].token_ids, whole.choices[0].prompt_token_ids) == ([7, 8], [1, 2])
+    plain = (await CompletionService(triton, MODEL).complete(_request())).choices[0].model_dump()
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
 
 
 async def test_batch_with_n_is_prompt_major_and_sums_usage():
@@ -349,7 +373,7 @@ async def test_closing_a_stream_early_closes_every_triton_stream():
 
 async def test_cancelling_the_consumer_closes_every_triton_stream():
     triton = ScriptedTriton({"a": [], "b": []}, hang_after_script=True)
-    streams = [triton.generate(p, {}, stream=True, return_logprobs=False, request_id=p) for p in "ab"]
+    streams = [triton.generate(GenerateRequest(p, {}, stream=True), request_id=p) for p in "ab"]
     consumer = asyncio.ensure_future(_collect(merge(streams)))
     await asyncio.sleep(0.01)
     consumer.cancel()

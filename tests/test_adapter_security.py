@@ -40,8 +40,10 @@ def _complete(client, headers=None, **fields):
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
                                      {"Authorization": KEY}, {"Authorization": "Bearer"}])
-def test_v1_routes_without_the_key_are_401(client, headers):
-    for response in (_complete(client, headers=headers), client.get("/v1/models", headers=headers)):
+def test_api_routes_without_the_key_are_401(client, headers):
+    vllm_routes = [client.post(route, json=body, headers=headers) for route, body in (
+        ("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]}), ("/invocations", {"prompt": "Hi"}))]
+    for response in (_complete(client, headers=headers), client.get("/v1/models", headers=headers), *vllm_routes):
         error = _error(response, 401)
         assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
         assert KEY not in error["message"]

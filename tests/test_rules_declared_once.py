@@ -68,8 +68,8 @@ class EngineSide:
     def __init__(self) -> None:
         self.requests: list[ParsedRequest] = []
 
-    async def generate(self, prompt, sampling_parameters, *, stream, return_logprobs, request_id):
-        self.requests.append(_engine_request(_request_inputs(prompt, sampling_parameters, stream, return_logprobs)))
+    async def generate(self, request, request_id):
+        self.requests.append(_engine_request(_request_inputs(request)))
         raise _Sent
         yield  # (an async generator, like TritonClient.generate)
 

@@ -167,11 +167,7 @@ def test_null_inside_stream_options_means_the_default(stack):
     ("completions", "length_penalty", 0.5),
     ("completions", "structured_outputs", {"regex": "[0-9]+"}),
     ("completions", "guided_whitespace_pattern", " "),
-    ("completions", "add_special_tokens", False),
-    ("completions", "return_token_ids", True),
     ("completions", "priority", 1),
-    ("chat/completions", "add_generation_prompt", False),
-    ("chat/completions", "continue_final_message", True),
     ("chat/completions", "chat_template", "{{ messages[0].content }}"),
     ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
@@ -181,8 +177,7 @@ def test_unsupported_non_neutral_parameters_are_400_not_ignored(stack, route, fi
     prompt = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
     error = _error(_post(stack, route, max_tokens=1, **prompt, **{field: value}))
     assert error["param"] == field and "not supported" in error["message"]
-    neutral = {"use_beam_search": False, "add_special_tokens": route == "completions", "priority": 0,
-               "add_generation_prompt": True}
+    neutral = {"use_beam_search": False, "priority": 0}
     if field in neutral:  # the neutral value is accepted, as before
         assert _post(stack, route, max_tokens=1, **prompt, **{field: neutral[field]}).status_code == 200
 

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from backend.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
 from backend.interface.errors import InvalidRequest
-from backend.triton_io import ResponseBuilder, parse_request
+from backend.interface.tensors import TOKENIZE_OUTPUTS
+from backend.processing.input_processor import PromptOptions, TokenizedPrompt
+from backend.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+from backend.triton_io import ResponseBuilder, parse_request, tokenized_tensors
 
 
 def inputs(params: dict | None = None, **flags) -> dict:
@@ -143,3 +145,53 @@ def test_routed_experts_stream_per_choice_and_accumulate_without_streaming():
     assert json.loads(final["routed_experts"][0]) == [[[1, 2]], [[0, 3]]]
     plain = ResponseBuilder(parse_request(inputs({})))
     assert "routed_experts" not in plain.on_output(RequestOutput("r", [delta(0, "a", "stop")], 1, 0, True))
+
+
+def test_token_ids_stream_per_choice_and_the_prompt_ids_come_once():
+    def tokens(index, *ids, finish=None):
+        return ChoiceDelta(index, "t", [], 0.0, len(ids), finish, token_ids=list(ids))
+
+    flags = dict(return_token_ids=True, return_prompt_token_ids=True)
+    streaming = ResponseBuilder(parse_request(inputs({"n": 2}, stream=True, **flags)))
+    first = streaming.on_output(RequestOutput("r", [tokens(0, 5, 6), tokens(1, 7)], 1, 0, False,
+                                              prompt_token_ids=[1, 2]))
+    second = streaming.on_output(RequestOutput("r", [tokens(1, 8, finish="length")], 1, 0, True))
+    assert first["prompt_token_ids"].tolist() == [1, 2] and "prompt_token_ids" not in second
+    assert [json.loads(v) for v in first["token_ids"]] == [[5, 6], [7]]
+    assert [json.loads(v) for v in second["token_ids"]] == [[], [8]]
+
+    whole = ResponseBuilder(parse_request(inputs({}, **flags)))
+    assert whole.on_output(RequestOutput("r", [tokens(0, 5)], 1, 0, False, prompt_token_ids=[1, 2])) is None
+    final = whole.on_output(RequestOutput("r", [tokens(0, 6, finish="stop")], 1, 0, True))
+    assert final["prompt_token_ids"].tolist() == [1, 2] and json.loads(final["token_ids"][0]) == [5, 6]
+    plain = ResponseBuilder(parse_request(inputs({})))
+    tensors = plain.on_output(RequestOutput("r", [tokens(0, 5, finish="stop")], 1, 0, True, prompt_token_ids=[1]))
+    assert "token_ids" not in tensors and "prompt_token_ids" not in tensors
+
+
+def test_prompt_options_and_tokenize_only_are_read():
+    parsed = parse_request(inputs(None, add_special_tokens=False, add_generation_prompt=False, tokenize_only=True))
+    assert parsed.tokenize_only and parsed.options == PromptOptions(add_special_tokens=False,
+                                                                    add_generation_prompt=False)
+    assert parse_request(inputs(None)).options == PromptOptions(add_special_tokens=None, add_generation_prompt=True)
+    tensors = tokenized_tensors(TokenizedPrompt([5, 6], ["Ġa", "b"], " ab"), max_model_len=128)
+    assert set(tensors) == set(TOKENIZE_OUTPUTS)
+    assert tensors["prompt_token_ids"].dtype == np.int32 and tensors["prompt_token_ids"].tolist() == [5, 6]
+    assert tensors["prompt_token_strs"].tolist() == ["Ġa".encode(), b"b"]
+    assert (tensors["text_output"].tolist(), tensors["num_input_tokens"].tolist(),
+            tensors["max_model_len"].tolist()) == ([b" ab"], [2], [128])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"continue_final_message": np.array([True])}, "continue_final_message"),  # with the default generation prompt
+    ({"chat_template_kwargs": np.array([b"{not json"], dtype=np.object_)}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": np.array([b"[1]"], dtype=np.object_)}, "chat_template_kwargs"),
+])
+def test_chat_template_controls_are_checked(extra, param):
+    with pytest.raises(InvalidRequest) as refused:
+        parse_request({**inputs(None), **extra})
+    assert refused.value.param == param
+    continued = parse_request({**inputs(None), "continue_final_message": np.array([True]),
+                               "add_generation_prompt": np.array([False]),
+                               "chat_template_kwargs": np.array([b'{"x": 1}'], dtype=np.object_)}).options
+    assert (continued.continue_final_message, continued.chat_template_kwargs) == (True, {"x": 1})

@@ -6,8 +6,10 @@ Owned by one thread (Triton's execute(), or LLMEngine's caller); it has its own 
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -21,6 +23,30 @@ from backend.interface.parameters import SamplingParams
 from backend.layers.lora import LoraAdapter
 from backend.processing.grammar_compiler import GrammarCompiler
 from backend.processing.lora_files import AdapterDirectory
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    """How a prompt becomes token ids (vLLM's names and defaults)."""
+
+    add_special_tokens: bool | None = None
+    """None: true for a text prompt (BOS where the model has one), false for chat messages (their template adds
+    what the model needs)."""
+    add_generation_prompt: bool = True
+    """Chat: end the rendered conversation with the assistant's turn opened."""
+    continue_final_message: bool = False
+    """Chat: leave the final message open (no end-of-turn), for the model to continue it."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Chat: extra variables for the template (e.g. a model's `enable_thinking`)."""
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt as the engine sees it (Triton's tokenize_only answer)."""
+
+    token_ids: list[int]
+    token_strs: list[str]  # the tokenizer's own string of each token (e.g. "Ġthe")
+    text: str  # the text prompt itself, else the decoded token ids (a chat: its rendered template)
 
 
 def load_tokenizer(model_dir: Path):
@@ -50,9 +76,12 @@ class InputProcessor:
             else None
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # recently used adapters, read once
 
-    def process(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams) -> CoreRequest:
+    def process(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
+                options: PromptOptions = PromptOptions()) -> CoreRequest:
         """Raises InvalidRequest (or NotFound, for an unknown adapter) naming what is wrong."""
-        prompt_token_ids = self._tokenize(prompt)
+        prompt_token_ids = self._tokenize(prompt, options)
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty")
         prompt_len, capacity = len(prompt_token_ids), self.limits.capacity
         if prompt_len >= capacity:
             raise InvalidRequest(f"the prompt has {prompt_len} tokens; this model accepts at most {capacity - 1}")
@@ -69,31 +98,47 @@ class InputProcessor:
             if params.allowed_token_ids else None
         return CoreRequest(request_id, prompt_token_ids, params, max_tokens, lora, grammar, allowed)
 
-    def _tokenize(self, prompt: str | list[int] | list[dict]) -> list[int]:
+    def tokenize(self, prompt: str | list[int] | list[dict], options: PromptOptions) -> TokenizedPrompt:
+        """The prompt's tokens, nothing generated (an empty prompt has none)."""
+        token_ids = self._tokenize(prompt, options)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids)
+        return TokenizedPrompt(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids), text)
+
+    def _tokenize(self, prompt: str | list[int] | list[dict], options: PromptOptions) -> list[int]:
         """Token ids of a text, token-id or chat-messages prompt."""
         if prompt and isinstance(prompt[0], dict):
             # The rendered template carries its own special tokens (BOS included where the model has one).
-            token_ids = self.tokenizer.encode(self._render_chat(prompt), add_special_tokens=False)
-        elif isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
-            bad = [t for t in token_ids if not 0 <= t < self.limits.vocab_size]
-            if bad:
-                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty")
+            return self.tokenizer.encode(self._render_chat(prompt, options),
+                                         add_special_tokens=bool(options.add_special_tokens))
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=options.add_special_tokens is not False)
+        token_ids = [int(t) for t in prompt]
+        bad = [t for t in token_ids if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
         return token_ids
 
-    def _render_chat(self, messages: list[dict]) -> str:
-        """The model's own chat template applied to the messages, ready for the assistant's answer."""
+    def _render_chat(self, messages: list[dict], options: PromptOptions) -> str:
+        """The model's own chat template applied to the messages."""
         if not self.tokenizer.chat_template:
             raise InvalidRequest(f"the model {self.limits.name} has no chat template: send text_input or "
                                  "input_ids instead of messages")
+        reserved = sorted(set(options.chat_template_kwargs) & self._rendering_arguments())
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: they are the renderer's "
+                                 "own arguments", "chat_template_kwargs")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message, tokenize=False,
+                **options.chat_template_kwargs)
         except Exception as error:  # templates may raise on their own, e.g. on an unexpected role order
             raise InvalidRequest(f"the chat template rejected the messages: {error}") from None
+
+    def _rendering_arguments(self) -> set[str]:
+        """apply_chat_template's own parameters: chat_template_kwargs must not override them (e.g. tokenize)."""
+        parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        return {parameter.name for parameter in parameters if parameter.kind is not parameter.VAR_KEYWORD}
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.limits.vocab_size

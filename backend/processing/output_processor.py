@@ -57,6 +57,7 @@ class _RequestState:
     params: SamplingParams
     prompt_token_ids: list[int]
     choices: list[_Choice]
+    started: bool = False  # an output has gone out (the first carries the prompt's token ids)
 
 
 class OutputProcessor:
@@ -116,8 +117,10 @@ class OutputProcessor:
             del self.requests[output.request_id]
         if not choices and not finished and prompt_logprobs is None and output.prompt_hidden_states is None:
             return None, stopped_here
+        prompt_token_ids = None if state.started else state.prompt_token_ids
+        state.started = True
         return RequestOutput(output.request_id, choices, output.num_prompt_tokens, output.num_cached_tokens,
-                             finished, prompt_logprobs=prompt_logprobs,
+                             finished, prompt_token_ids=prompt_token_ids, prompt_logprobs=prompt_logprobs,
                              prompt_hidden_states=output.prompt_hidden_states), stopped_here
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:

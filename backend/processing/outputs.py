@@ -40,5 +40,6 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     error: Exception | None = None
+    prompt_token_ids: list[int] | None = None  # in the request's first output
     prompt_logprobs: list[TokenLogprob] | None = None  # sent once, when the prompt has been processed
     prompt_hidden_states: torch.Tensor | None = None  # [prompt tokens, hidden], sent once likewise

@@ -30,7 +30,7 @@ from backend.interface.tensors import INPUTS
 from backend.llm_engine import EngineParts
 from backend.parent_death import watch_parent
 from backend.processing.outputs import RequestOutput
-from backend.triton_io import ResponseBuilder, parse_request
+from backend.triton_io import ResponseBuilder, parse_request, tokenized_tensors
 from backend.triton_metrics import EngineMetrics, LatencyTracker
 
 log = logging.getLogger("tritonllm.model")
@@ -47,6 +47,10 @@ def _guarded(work):
         work()
     except Exception:  # one request's trouble must not stop the responses of the others
         log.exception("responder work failed")
+
+
+def _response(tensors: dict) -> "pb_utils.InferenceResponse":
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, array) for name, array in tensors.items()])
 
 
 def _triton_error(error: Exception) -> "pb_utils.TritonError":
@@ -100,7 +104,12 @@ class TritonPythonModel:
         request_id = uuid.uuid4().hex
         try:
             parsed = parse_request({name: self._input(request, name) for name in INPUTS})
-            core_request = self.inputs.process(request_id, parsed.prompt, parsed.params)
+            if parsed.tokenize_only:  # answered at once: nothing reaches the core
+                tensors = tokenized_tensors(self.inputs.tokenize(parsed.prompt, parsed.options),
+                                            self.inputs.limits.capacity)
+                self.mailbox.put(lambda: self._send_final(sender, tensors))
+                return
+            core_request = self.inputs.process(request_id, parsed.prompt, parsed.params, parsed.options)
         except Exception as exc:
             if not isinstance(exc, RequestError):
                 log.exception("request %s could not be processed", request_id)
@@ -164,8 +173,7 @@ class TritonPythonModel:
         tensors = entry.builder.on_output(output)
         if tensors is None:
             return
-        response = pb_utils.InferenceResponse(
-            output_tensors=[pb_utils.Tensor(name, array) for name, array in tensors.items()])
+        response = _response(tensors)
         if output.finished:
             del self.in_flight[output.request_id]
         try:
@@ -181,6 +189,13 @@ class TritonPythonModel:
         """End a request with an error response, its last."""
         self.outputs.abort(request_id)
         self._send_final_error(self.in_flight.pop(request_id).sender, _triton_error(error))
+
+    @staticmethod
+    def _send_final(sender, tensors: dict):
+        try:
+            sender.send(_response(tensors), flags=_FINAL)
+        except Exception:  # the client may be gone already
+            log.debug("could not send a tokenize_only response")
 
     @staticmethod
     def _send_final_error(sender, error):
