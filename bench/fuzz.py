@@ -27,6 +27,8 @@ from schemathesis.specs.openapi.checks import (
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_TOKENS = 4
+# routes that generate: without a bound a chat request runs to the context's end (as OpenAI's) and the queue fills
+GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
 MAX_PROMPTS = 3
 REQUEST_TIMEOUT_S = 60
 
@@ -36,6 +38,7 @@ def bounded_body(body: object, model: str) -> object:
     if not isinstance(body, dict):
         return body
     body = {**body, "model": model, "min_tokens": 0}
+    body.pop("max_completion_tokens", None)  # (chat's other spelling: max_tokens alone bounds it)
     max_tokens = body.get("max_tokens")
     body["max_tokens"] = min(max_tokens, MAX_TOKENS) if isinstance(max_tokens, int) else MAX_TOKENS
     prompt = body.get("prompt")
@@ -63,7 +66,7 @@ def run_campaign(root_url: str, model: str, *, examples: int, seed: int, api_key
         @hypothesis.given(cases)
         def check(case) -> None:
             nonlocal sent
-            if operation.path == "/v1/completions":
+            if operation.path in GENERATING_PATHS:
                 case.body = bounded_body(case.body, model)
             sent += 1
             case.call_and_validate(base_url=root_url, headers=headers, checks=CHECKS, timeout=REQUEST_TIMEOUT_S)

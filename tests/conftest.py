@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from backend.config import EngineConfig
 from backend.model_files import prepare_default_model
@@ -18,6 +18,9 @@ from lora_helpers import write_random_adapter
 from stack_helpers import (EXACT_OPTIONS, STACK_LORA_ADAPTERS, STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, Stack,
                            StackProcess, check_stack_survived, running_stack)
 from tiny_models import write_tiny_model
+
+if TYPE_CHECKING:  # transformers' modeling code imports triton: not before tests/kernels/conftest.py picks its mode
+    from transformers import PreTrainedModel
 
 STACK_KV_CACHE_MEMORY = "128MiB"  # ~2,900 tokens of SmolLM2-135M KV in float32: keeps the test stack light
 
@@ -82,6 +85,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path, 
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_dir: Path) -> PreTrainedModel:
     """transformers' own model of the tiny checkpoint."""
+    from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 

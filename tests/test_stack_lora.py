@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -54,7 +55,7 @@ def test_adapter_path_outside_the_directory_is_400(client, stack):
     assert "not inside the adapters directory" in raised.value.body["message"]
 
 
-def test_models_lists_adapters_and_which_is_loaded(client, stack):
+def test_models_lists_adapters_and_which_is_loaded(client, stack, default_model_dir):
     _text(client, f"{stack.model_name}:beta")  # with one slot, beta is now the loaded adapter
     deadline = time.monotonic() + 10
     while True:  # the engine publishes its metrics every half second
@@ -64,6 +65,10 @@ def test_models_lists_adapters_and_which_is_loaded(client, stack):
         time.sleep(0.25)
     assert list(cards) == [stack.model_name, f"{stack.model_name}:alpha", f"{stack.model_name}:beta"]
     max_model_len = cards[stack.model_name]["max_model_len"]
+    roots = {name: Path(card.pop("root")).resolve() for name, card in cards.items()}  # vLLM's root: where it lives
+    assert roots == {stack.model_name: default_model_dir.resolve(),
+                     f"{stack.model_name}:alpha": (stack.lora_dir / "alpha").resolve(),
+                     f"{stack.model_name}:beta": (stack.lora_dir / "beta").resolve()}
     assert cards[f"{stack.model_name}:beta"] == {"parent": stack.model_name, "loaded": True,
                                                 "max_model_len": max_model_len}
     assert cards[f"{stack.model_name}:alpha"] == {"parent": stack.model_name, "loaded": False,

@@ -12,8 +12,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    if "kernels" in sys.modules and os.environ["TRITON_INTERPRET"] == "1":
-        raise RuntimeError("kernels was imported before tests/kernels/conftest.py could enable TRITON_INTERPRET; "
+    if ("kernels" in sys.modules or "triton" in sys.modules) and os.environ["TRITON_INTERPRET"] == "1":
+        raise RuntimeError("kernels (or triton) was imported before tests/kernels/conftest.py could enable TRITON_INTERPRET; "
                            "run the kernel tests on their own: pytest tests/kernels")
 
 @pytest.fixture(autouse=True)
