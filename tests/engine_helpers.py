@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.interface.parameters import SamplingParams
 from backend.layers.attention import AttentionMetadata, PrefillBatch
@@ -30,6 +31,18 @@ def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
                              PrefillBatch(torch.zeros(1, dtype=torch.int32), length, length, positions[None]))
     hidden, _ = model(torch.tensor(token_ids), positions, meta, caches)
     return model.compute_logits(hidden)
+
+
+class TorchOps(TorchDispatchMode):
+    """Records every aten op dispatched on the thread that entered it (dispatch modes are per thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.config import EngineConfig
 from backend.llm_engine import LLMEngine
@@ -17,7 +16,7 @@ from backend.interface.parameters import SamplingParams
 from backend.llm_engine import Request
 from backend.interface.errors import InvalidRequest, NotFound
 from backend.processing.lora_files import read_float32_safetensors
-from engine_helpers import EXACT, generate
+from engine_helpers import EXACT, TorchOps, generate
 from lora_helpers import merged_model, write_random_adapter
 
 PROMPT = "The capital of France is"
@@ -156,18 +155,6 @@ def test_lora_without_an_adapters_directory_is_refused(default_model_dir):
         engine.add_request(Request("no-lora", PROMPT, SamplingParams(lora_path="alpha")))
 
 
-class _TorchOps(TorchDispatchMode):
-    """Records every aten op dispatched on the thread that entered it (dispatch modes are per thread)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _tensors_in(value, seen=None) -> list:
     """Every torch.Tensor reachable from a processed request's fields (dataclasses, dicts, tuples, lists)."""
     seen = set() if seen is None else seen
@@ -189,11 +176,11 @@ def test_request_processing_runs_no_torch_op(engine):
     """Triton's thread processes requests; a torch op there would start a second OpenMP team, which slows every
     step of the core thread. LoRA weights and the allowed_token_ids bitmask stay numpy until the core has them."""
     params = SamplingParams(max_tokens=4, temperature=0.0, lora_path="beta", allowed_token_ids=[5, 17, 300])
-    with _TorchOps() as recorded:
+    with TorchOps() as recorded:
         request = engine.inputs.process("no-torch", PROMPT, params)
     assert recorded.ops == [] and _tensors_in(request) == []
     assert request.lora.name == "beta" and request.allowed_tokens is not None
-    with _TorchOps() as recorded:  # the check sees ops: converting the bitmask would be caught
+    with TorchOps() as recorded:  # the check sees ops: converting the bitmask would be caught
         torch.from_numpy(request.allowed_tokens).to(torch.int64)
     assert recorded.ops
     [result] = generate(engine, [PROMPT], params)  # the core turns them into tensors and honours them

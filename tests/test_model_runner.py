@@ -5,29 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.config import EngineConfig
 from backend.engine.scheduler import ScheduledSequence
 from backend.interface.parameters import SamplingParams
 from backend.layers.attention import AttentionMetadata
 from backend.llm_engine import LLMEngine, Request
-from engine_helpers import EXACT
+from engine_helpers import EXACT, TorchOps
 
 # ops that read a tensor's values back to the host (a device sync) or give data-dependent shapes
 DATA_DEPENDENT = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten._unique2.default",
                   "aten.unique_dim.default", "aten.masked_select.default", "aten.unique_consecutive.default"}
 VIEWS = {"aten.slice.Tensor", "aten.select.int", "aten.alias.default"}
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +69,13 @@ def test_decode_from_persistent_buffers_twice_equals_a_fresh_call(decoding):
 def test_decode_step_makes_no_input_tensor_and_its_forward_reads_nothing_back(decoding):
     engine, scheduled = decoding
     runner = engine.core.runner
-    with _Ops() as preparing:
+    with TorchOps() as preparing:
         inputs = runner.inputs.prepare(scheduled)
     assert set(preparing.ops) <= VIEWS, sorted(set(preparing.ops) - VIEWS)  # views of the buffers, nothing made
-    with _Ops() as forward:
+    with TorchOps() as forward:
         runner.model(inputs.input_ids, inputs.positions, inputs.attention, runner.kv_caches)
     assert forward.ops and not set(forward.ops) & DATA_DEPENDENT, sorted(set(forward.ops) & DATA_DEPENDENT)
-    with _Ops() as syncing:  # the check sees a host read where there is one
+    with TorchOps() as syncing:  # the check sees a host read where there is one
         inputs.attention.decode_context_lens.max().item()
     assert set(syncing.ops) & DATA_DEPENDENT
 
