@@ -1,9 +1,10 @@
 """The engine's one entry point to its custom ops.
 
-Each op runs its OpenAI-Triton kernel when the tensors are on CUDA, else its torch reference (the CPU path).
-`force` overrides that (initially TRITONLLM_FORCE_KERNELS, read at import): "1" = always the kernels (on CPU that
-needs TRITON_INTERPRET=1 set before this package is imported, as the tests do), "0" = always the references (to
-compare on CUDA)."""
+Each op runs its OpenAI-Triton kernel when the tensors are on CUDA; on the CPU, float32 tensors go to the CPU ops
+(`kernels/cpu`, C compiled for this machine) where those could be built and the op has one, anything else to the
+torch reference. `force` overrides that (initially TRITONLLM_FORCE_KERNELS, read at import): "1" = always the
+Triton kernels (on CPU that needs TRITON_INTERPRET=1 set before this package is imported, as the tests do),
+"0" = always the references (to compare against)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import cpu
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.kv_cache import store_kv_cache_reference, store_kv_cache_triton
@@ -33,22 +35,25 @@ def force(mode: str) -> None:
     _forced = mode
 
 
-def _dispatch(kernel: Callable, reference: Callable) -> Callable:
-    """An op choosing per call by the device of its first tensor argument."""
+def _dispatch(kernel: Callable, reference: Callable, cpu_op: Callable | None = None) -> Callable:
+    """An op choosing per call by the device (and, on the CPU, the dtype) of its first tensor argument."""
     def op(first: torch.Tensor, *args, **kwargs):
-        chosen = kernel if (_forced == "1" or first.is_cuda and _forced != "0") else reference
-        return chosen(first, *args, **kwargs)
+        if _forced == "1" or first.is_cuda and _forced != "0":
+            return kernel(first, *args, **kwargs)
+        if cpu_op is not None and _forced != "0" and first.dtype == torch.float32 and cpu.available():
+            return cpu_op(first, *args, **kwargs)
+        return reference(first, *args, **kwargs)
 
     op.__name__ = reference.__name__.removesuffix("_reference")
     op.__doc__ = reference.__doc__
     return op
 
 
-rms_norm = _dispatch(rms_norm_triton, rms_norm_reference)
-rotary_embedding = _dispatch(rotary_embedding_triton, rotary_embedding_reference)
-silu_and_mul = _dispatch(silu_and_mul_triton, silu_and_mul_reference)
-store_kv_cache = _dispatch(store_kv_cache_triton, store_kv_cache_reference)
-paged_decode_attention = _dispatch(paged_decode_attention_triton, paged_decode_attention_reference)
+rms_norm = _dispatch(rms_norm_triton, rms_norm_reference, cpu.rms_norm)
+rotary_embedding = _dispatch(rotary_embedding_triton, rotary_embedding_reference, cpu.rotary_embedding)
+silu_and_mul = _dispatch(silu_and_mul_triton, silu_and_mul_reference, cpu.silu_and_mul)
+store_kv_cache = _dispatch(store_kv_cache_triton, store_kv_cache_reference, cpu.store_kv_cache)
+paged_decode_attention = _dispatch(paged_decode_attention_triton, paged_decode_attention_reference, cpu.paged_decode_attention)
 prefill_attention = _dispatch(prefill_attention_triton, prefill_attention_reference)
 apply_penalties = _dispatch(apply_penalties_triton, apply_penalties_reference)
 apply_logit_bias = _dispatch(apply_logit_bias_triton, apply_logit_bias_reference)

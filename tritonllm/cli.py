@@ -128,6 +128,9 @@ def _raise_stop(signum, frame) -> None:
 def prepare(args: argparse.Namespace) -> int:
     log.info("preparing the default model…")
     log.info("model ready at %s", model_files.prepare_default_model(force=args.force))
+    from kernels import cpu  # imports torch: only here
+    built = cpu.build()
+    log.info("CPU ops %s", f"built for this CPU at {built}" if built else "unavailable (no C compiler): torch ops")
     return 0
 
 

@@ -2,7 +2,9 @@
 
 On a CPU the matmuls are most of a step, and which format is fastest depends on the machine: fp32 through
 oneDNN (prepacked) beats MKL's small-batch sgemm on some CPUs; fbgemm's fp16-weight kernels halve the bytes
-read on any AVX2 CPU; bf16 weights and activations, and the int4 weight-only kernel, are fast only on CPUs with
+read on any AVX2 CPU; the CPU ops' int4 kernel (kernels/cpu) reads the checkpoint's own Q4_1 blocks, a third of
+fp16's bytes, and dequantizes them in registers (memory-bound one token at a time with AVX-512, compute-bound
+with AVX2 only); bf16 weights and activations, and torch's int4 weight-only kernel, are fast only on CPUs with
 bf16 hardware (AVX512-BF16, AMX) and much slower without it. `choose_format` times the candidates on the
 model's own layer shapes at load and keeps the fastest one that is exact or near-exact for the checkpoint:
 
@@ -10,7 +12,7 @@ model's own layer shapes at load and keeps the fastest one that is exact or near
 |---|---|---|---|---|
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
-| int4 | the checkpoint's own Q4_1 blocks (scale d, zero m + 8d per 32 weights) | fp32 (auto), or bf16 | fp32: exactly the shipped 4-bit weights; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4 | the checkpoint's own Q4_1 blocks (scale d, zero m per 32 weights): the CPU ops' kernel with fp32 activations, torch's with bf16 | fp32 (auto), or bf16 | fp32: exactly the shipped 4-bit weights; bf16: activations and d, m rounded to bf16 | with fp32 activations |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.config import WEIGHT_FORMATS
+from kernels import cpu as cpu_ops
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +139,8 @@ class Int8Projection(Projection):
 
 
 class Int4Projection(Projection):
-    """Q4_1 weights in torch's int4 CPU layout: w = (q − 8) · d + (m + 8d) per group of 32 inputs."""
+    """Q4_1 weights in torch's int4 CPU layout: w = (q − 8) · d + (m + 8d) per group of 32 inputs (fast with bf16
+    activations on bf16 hardware)."""
 
     def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__(bias)
@@ -148,19 +152,33 @@ class Int4Projection(Projection):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
 
 
+class Q4Projection(Projection):
+    """Q4_1 weights as the checkpoint's blocks (5 bits a weight with their scales), fp32 activations: the CPU ops'
+    kernel dequantizes w = d · q + m per block in registers and multiplies in fp32."""
+
+    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.packed = cpu_ops.pack_q4(weight.q, weight.d, weight.m)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.q4_matmul(x, self.packed)
+
+
 @dataclass(frozen=True)
 class Choice:
     """A weight format, the activation dtype it runs with, and its kernel."""
 
     weight_format: str
     dtype: torch.dtype
-    kernel: str  # aten, onednn, fbgemm (float16), int8, int4
+    kernel: str  # aten, onednn, fbgemm (float16), int8, int4 (torch's), cpu_ops (int4, kernels/cpu)
 
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Weight | None = None) -> Projection:
         """A projection of fp32 `weight` (or of its Q4_1 blocks, for int4)."""
         bias = None if bias is None else bias.to(self.dtype)
         if self.kernel == "int4":
             return Int4Projection(q4, bias, self.dtype)
+        if self.kernel == "cpu_ops":
+            return Q4Projection(q4, bias)
         if self.kernel == "int8":
             return Int8Projection(weight, bias)
         if self.kernel == "fbgemm":
@@ -171,9 +189,9 @@ class Choice:
     def make_head(self, weight: torch.Tensor) -> Projection:
         """The LM head: int4 has no Q4_1 blocks for it, so it runs near-exact instead: fp16 weights with fp32
         activations, bf16 with bf16 activations."""
-        if self.kernel == "int4" and self.dtype == torch.float32 and _fbgemm_available():
+        if self.weight_format == "int4" and self.dtype == torch.float32 and _fbgemm_available():
             return Choice("float16", self.dtype, "fbgemm").make(weight, None)
-        if self.kernel == "int4":
+        if self.weight_format == "int4":
             return Choice("bfloat16", self.dtype, "onednn" if _onednn_available() else "aten").make(weight, None)
         return self.make(weight, None)
 
@@ -206,7 +224,9 @@ def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[
             raise ValueError(f"weight_format {requested} needs {native} activations, not dtype {dtype}")
     choices = []
     for weight_format in formats:
-        if weight_format in ("int8", "int4"):
+        if weight_format == "int4" and act == torch.float32 and cpu_ops.available():
+            kernels = ["cpu_ops"]  # torch's fp32-activation int4 kernel is many times slower
+        elif weight_format in ("int8", "int4"):
             kernels = [weight_format]
         elif weight_format == "float16":
             kernels = ["fbgemm"]

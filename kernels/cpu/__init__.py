@@ -1,0 +1,173 @@
+"""The CPU's fused ops (cpu_ops.c), built for this machine on first use and called through ctypes.
+
+One step of a small model on a CPU is hundreds of small torch ops (each a dispatch and an OpenMP fork), and the
+int4 weights have no fast fp32-activation kernel in torch. These ops do the same work in a few calls per layer,
+and `q4_matmul` reads the checkpoint's own 4-bit weights (5 bits per weight with their scales, against 16 for
+fp16). The library is compiled with `-march=native` (so it suits exactly the CPU it runs on) into the cache
+directory, keyed by the source, the flags and the CPU's feature flags; without a C compiler everything falls back
+to the torch references. ctypes releases the GIL during each call; the OpenMP runtime is torch's own (the
+library links libgomp.so.1, which torch has already loaded), so the process keeps one thread team."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from backend.model_files import cache_root  # stdlib only: the one rule for where caches live
+from kernels.decode_attention import paged_decode_attention_reference
+from kernels.kv_cache import store_kv_cache_reference
+from kernels.rotary import rotary_embedding_reference
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+Q4_BLOCK, Q4_BLOCK_BYTES = 32, 20  # as in cpu_ops.c
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p],
+    "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
+    "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
+    "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p],
+    "silu_and_mul": [_p, _i64, _i64, _p],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def build() -> Path | None:
+    """The compiled library for this CPU (compiling it unless cached), or None without a working C compiler."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("no C compiler: the CPU runs the torch reference ops (slower)")
+        return None
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_flags(), torch.__version__])
+                         .encode()).hexdigest()[:16]
+    target = cache_root() / "cpu_ops" / f"cpu_ops-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # concurrent builders each rename their own
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            log.warning("building the CPU ops failed, using the torch references: %s", result.stderr[-2000:])
+            return None
+        os.replace(built, target)
+    return target
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    if os.environ.get("TRITONLLM_CPU_OPS", "1") == "0":
+        return None
+    path = build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+# ---- int4 weights ----
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 codes q [out, in] (0..15) and fp16 scales d, zeros m [out, in / 32] → the kernel's blocks
+    [out, in / 32, 20] uint8: d, m, then 16 bytes holding element j (low nibble) and j + 16 (high)."""
+    rows, width = q.shape
+    codes = q.to(torch.uint8).view(rows, width // Q4_BLOCK, Q4_BLOCK)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    scales = [t.to(torch.float16).contiguous().view(torch.uint8).view(rows, width // Q4_BLOCK, 2) for t in (d, m)]
+    return torch.cat([*scales, nibbles], dim=-1).contiguous()
+
+
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ the packed weights' [out, in].T → [tokens, out]."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+    library().q4_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), packed.shape[0], out.data_ptr())
+    return out
+
+
+# ---- the kernels' ops (same signatures as their references in kernels/) ----
+
+def _rows(x: torch.Tensor) -> bool:
+    """Whether x [tokens, heads, dim] has each token's heads back to back (its rows may be strided)."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    x = x.contiguous()
+    width = x.shape[-1]
+    out = torch.empty_like(x)
+    summed = None if residual is None else torch.empty_like(x)
+    library().rms_norm(x.data_ptr(), _ptr(None if residual is None else residual.contiguous()), weight.data_ptr(),
+                       x.numel() // width, width, eps, out.data_ptr(), _ptr(summed))
+    return out if residual is None else (out, summed)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if not (_rows(q) and _rows(k)):
+        return rotary_embedding_reference(q, k, cos, sin)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    library().rotary_embedding(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+                               q.shape[0], q.shape[2], cos.data_ptr(), sin.data_ptr())
+
+
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    if not (_rows(k) and _rows(v) and slot_mapping.dtype == torch.int64 and k_cache.is_contiguous()):
+        return store_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+    slots = slot_mapping.contiguous()
+    library().store_kv_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
+                             k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, workspace=None) -> torch.Tensor:
+    if not (_rows(q) and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int32):
+        return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
+    seqs, heads, head_dim = q.shape
+    out = torch.empty(seqs, heads, head_dim, dtype=torch.float32)
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()  # rows may be strided
+    lens = context_lens.contiguous()
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    library().paged_decode_attention(q.data_ptr(), q.stride(0), seqs, heads, head_dim, k_cache.data_ptr(),
+                                     v_cache.data_ptr(), block_size, kv_heads, tables.data_ptr(), tables.stride(0),
+                                     lens.data_ptr(), tables.shape[1] * block_size, scale, out.data_ptr())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    width = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
+    library().silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1], width, out.data_ptr())
+    return out

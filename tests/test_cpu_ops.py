@@ -1,0 +1,125 @@
+"""The CPU ops (kernels/cpu, C built for this machine) against their torch references: the same results to
+float32 rounding, each token's row the same to the bit whatever it is batched with, one OpenMP runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu
+from kernels.activation import silu_and_mul_reference
+from kernels.decode_attention import paged_decode_attention_reference
+from kernels.kv_cache import store_kv_cache_reference
+from kernels.rms_norm import rms_norm_reference
+from kernels.rotary import rotary_embedding_reference
+
+CLOSE = {"atol": 2e-5, "rtol": 2e-5}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _q4(rows: int, width: int):
+    """Random Q4_1 blocks and the float32 weights they stand for (w = d·q + m per block of 32)."""
+    q = torch.randint(0, 16, (rows, width), dtype=torch.uint8)
+    d = (torch.rand(rows, width // 32) * 0.02).half()
+    m = (-torch.rand(rows, width // 32) * 0.1).half()
+    dense = d.float().repeat_interleave(32, 1) * q + m.float().repeat_interleave(32, 1)
+    return cpu.pack_q4(q, d, m), dense
+
+
+@pytest.mark.parametrize("rows, width", [(4, 32), (7, 96), (960, 576), (577, 1536)])  # 7, 577: a partial row tile
+@pytest.mark.parametrize("tokens", [1, 3, 5, 70])  # 70: more than one token chunk
+def test_q4_matmul_is_the_dequantized_weights_in_float32(rows, width, tokens):
+    packed, dense = _q4(rows, width)
+    x = torch.randn(tokens, width)
+    torch.testing.assert_close(cpu.q4_matmul(x, packed), x @ dense.T, atol=1e-4, rtol=1e-4)
+
+
+def test_q4_matmul_rows_do_not_depend_on_the_batch():
+    packed, _ = _q4(131, 576)
+    x = torch.randn(37, 576)
+    x[5] *= 50  # a loud token changes nothing for the others (no batch-wide scale)
+    together = cpu.q4_matmul(x, packed)
+    for size in (1, 2, 3, 4, 9):
+        for start in range(0, len(x) - size + 1, 7):
+            assert torch.equal(cpu.q4_matmul(x[start:start + size], packed), together[start:start + size])
+
+
+@pytest.mark.parametrize("tokens, hidden", [(1, 64), (3, 100), (5, 576)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(tokens, hidden, with_residual):
+    x, weight = torch.randn(tokens, hidden), torch.randn(hidden)
+    residual = torch.randn(tokens, hidden) if with_residual else None
+    ours, expected = cpu.rms_norm(x, weight, 1e-6, residual), rms_norm_reference(x, weight, 1e-6, residual)
+    if with_residual:
+        assert torch.equal(ours[1], expected[1])  # the same rounded sum
+        ours, expected = ours[0], expected[0]
+    torch.testing.assert_close(ours, expected, **CLOSE)
+
+
+@pytest.mark.parametrize("tokens, width", [(1, 64), (4, 70), (3, 1536)])
+def test_silu_and_mul(tokens, width):
+    x = torch.randn(tokens, 2 * width) * 6  # far into both tails of the sigmoid
+    torch.testing.assert_close(cpu.silu_and_mul(x), silu_and_mul_reference(x), **CLOSE)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (16, 2, 80)])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_rotary_embedding_in_place_on_strided_views(heads, kv_heads, head_dim, tokens):
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2) * 6
+    q_ref, k_ref = q.clone(), k.clone()
+    cpu.rotary_embedding(q, k, angles.cos(), angles.sin())
+    rotary_embedding_reference(q_ref, k_ref, angles.cos(), angles.sin())
+    torch.testing.assert_close(q, q_ref, **CLOSE)
+    torch.testing.assert_close(k, k_ref, **CLOSE)
+
+
+def test_store_kv_cache_from_strided_views():
+    kv_heads, head_dim, tokens = 3, 64, 6
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim)
+    _, k, v = qkv.split([9 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    caches = [torch.zeros(8, 16, kv_heads, head_dim) for _ in range(4)]
+    slots = torch.tensor([0, 17, 127, 33, 64, 5])
+    cpu.store_kv_cache(k, v, caches[0], caches[1], slots)
+    store_kv_cache_reference(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 80)])
+def test_paged_decode_attention(heads, kv_heads, head_dim):
+    seqs, block_size, blocks = 5, 16, 40
+    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim) for _ in range(2))
+    tables = torch.randperm(blocks)[:seqs * 7].view(seqs, 7)
+    wide = torch.zeros(seqs + 2, 9, dtype=torch.int64)  # the runner's tables are views of a wider buffer
+    wide[:seqs, :7] = tables
+    lens = torch.tensor([1, 16, 17, 100, 112], dtype=torch.int32)
+    q = torch.randn(seqs, heads + 2 * kv_heads, head_dim)[:, :heads] * 3  # strided rows, as split from qkv
+    ours = cpu.paged_decode_attention(q, k_cache, v_cache, wide[:seqs, :7], lens, head_dim ** -0.5)
+    torch.testing.assert_close(ours, paged_decode_attention_reference(q, k_cache, v_cache, tables, lens,
+                                                                      head_dim ** -0.5), **CLOSE)
+
+
+def test_the_engine_ops_use_them_on_float32_cpu_tensors(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu.library(), "silu_and_mul", lambda *args: calls.append(args))
+    kernels.silu_and_mul(torch.randn(2, 8))
+    assert len(calls) == 1
+    kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.bfloat16))  # not float32: the reference
+    assert len(calls) == 1
+
+
+def test_one_openmp_runtime_in_the_process():
+    """The library links the libgomp torch loaded: one thread team, not two spinning against each other."""
+    mapped = {Path(line.split()[-1]).resolve() for line in Path("/proc/self/maps").read_text().splitlines()
+              if "libgomp" in line or "libiomp" in line}
+    assert len(mapped) == 1, mapped
