@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     create_model,
@@ -515,6 +516,28 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """Body of POST /v1/load_lora_adapter (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: NonEmptyStr
+    """The name requests give as `model` (or `lora_path`)."""
+    lora_path: NonEmptyStr
+    """The adapter's directory: inside the adapters directory (relative to it or absolute)."""
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """Body of POST /v1/unload_lora_adapter (vLLM's; adapters have no integer ids here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: NonEmptyStr
 
 
 def _json_object(body: bytes) -> dict:
