@@ -23,7 +23,8 @@ from openai_adapter.head import HeadAsGet
 from openai_adapter.limits import check_limits, read_body
 from openai_adapter.metrics import AdapterMetrics, MetricsMiddleware
 from openai_adapter.models import model_cards
-from openai_adapter.openapi import error_responses, generation_route_docs, install_request_components
+from openai_adapter.openapi import (error_responses, generation_route_docs, install_request_components,
+                                    lora_route_docs)
 from openai_adapter.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -127,7 +128,8 @@ def create_app(settings: AdapterSettings) -> FastAPI:
 
     @v1.get("/models", responses=error_responses(401) if with_auth else None)
     async def list_models(request: Request) -> ModelList:
-        """The base model, then each LoRA adapter as `<base>:<adapter>` (what `model` accepts)."""
+        """The base model, each LoRA adapter of the directory as `<base>:<adapter>`, then the ones loaded at runtime
+        by their names (what `model` accepts)."""
         return ModelList(data=await model_cards(settings, started, request.app.state.triton, runtime_adapters))
 
     @v1.get("/models/{model:path}", responses=error_responses(*((401, 404) if with_auth else (404,))))
@@ -139,7 +141,8 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             raise model_not_found(model)
         return card
 
-    @v1.post("/load_lora_adapter", responses=error_responses(*((400, 401, 404) if with_auth else (400, 404))))
+    @v1.post("/load_lora_adapter", response_class=PlainTextResponse,
+             **lora_route_docs(LoadLoraAdapterRequest, with_auth))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         """vLLM's: give `lora_name` to the adapter at `lora_path` (inside the adapters directory), once an engine
         has read its files; /v1/models lists it at once and `model` accepts the name."""
@@ -152,7 +155,8 @@ def create_app(settings: AdapterSettings) -> FastAPI:
 
         return PlainTextResponse(await runtime_adapters.load(body.lora_name, body.lora_path, engine_reads))
 
-    @v1.post("/unload_lora_adapter", responses=error_responses(*((400, 401, 404) if with_auth else (400, 404))))
+    @v1.post("/unload_lora_adapter", response_class=PlainTextResponse,
+             **lora_route_docs(UnloadLoraAdapterRequest, with_auth))
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         """vLLM's: forget `lora_name`; requests already running with it finish, later ones get 404."""
         body = parse_request(await read_body(request, settings.max_body_bytes), UnloadLoraAdapterRequest)

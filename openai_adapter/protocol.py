@@ -152,7 +152,7 @@ class StructuralTagStructure(BaseModel):
 class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
-    # SGLang's structural_tag: the engine checks them (and refuses xgrammar's `format` and `at_least_one`)
+    # SGLang's structural_tag, its legacy form or xgrammar's `format` tree: the engine checks them
     structures: list[StructuralTagStructure] | None = None
     triggers: list[str] | None = None
     at_least_one: bool | None = None
@@ -163,7 +163,8 @@ class ResponseFormat(BaseModel):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object with a schema")
         if self.type == "structural_tag" and self.format is None and (self.structures is None or self.triggers is None):
-            raise ValueError("type 'structural_tag' needs structures and triggers")
+            raise ValueError("type 'structural_tag' needs structures and triggers (SGLang's form) or a format "
+                             "(xgrammar's)")
         return self
 
     def structural_tag(self) -> dict[str, Any]:

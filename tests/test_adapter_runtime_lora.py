@@ -73,3 +73,12 @@ def test_behind_the_api_key(lora_dir):
         body = {"lora_name": "a", "lora_path": "alpha"}
         assert _error(client.post("/v1/load_lora_adapter", json=body), 401)["code"] == "invalid_api_key"
         _error(client.post("/v1/load_lora_adapter", json=body, headers={"Authorization": f"Bearer {KEY}"}), 503)
+
+
+def test_openapi_describes_the_routes(lora_dir):
+    with _client(lora_dir=str(lora_dir), allow_runtime_lora=True) as client:
+        paths = client.get("/openapi.json").json()["paths"]
+    load = paths["/v1/load_lora_adapter"]["post"]
+    assert load["requestBody"]["content"]["application/json"]["schema"]["required"] == ["lora_name", "lora_path"]
+    assert "text/plain" in load["responses"]["200"]["content"]
+    assert set(paths["/v1/unload_lora_adapter"]["post"]["responses"]) == {"200", "400", "404", "503"}

@@ -48,7 +48,8 @@ CASES = [  # format, accepted texts, rejected texts
     ({"type": "or", "elements": [{"type": "const_string", "value": "A"}, {"type": "json_schema",
                                                                           "json_schema": SCHEMA}]},
      ["A", '{"n": 1}'], ["B"]),
-    (_tag("<r>", {"type": "json_schema", "json_schema": SCHEMA}, "</r>"), ['<r>{"n": 1}</r>'], ['<r>{"n": 1}', "<r>x</r>"]),
+    (_tag("<r>", {"type": "json_schema", "json_schema": SCHEMA}, "</r>"), ['<r>{"n": 1}</r>'],
+     ['<r>{"n": 1}', "<r>x</r>"]),
     (_tag("<t>", {"type": "any_text"}, ["</t>", "</end>"]), ["<t>free text</t>", "<t>x</end>"],
      ["<t>a</t>b</t>", "<t>open"]),
     (_tag("<t>", {"type": "any_text", "excludes": ["a (b"]}, "</t>"), ["<t>a b</t>"], ["<t>xa (b</t>"]),
@@ -84,7 +85,8 @@ CASES = [  # format, accepted texts, rejected texts
 ]
 
 
-@pytest.mark.parametrize("fmt, accepted, rejected", CASES, ids=[case[0]["type"] + f"-{i}" for i, case in enumerate(CASES)])
+@pytest.mark.parametrize("fmt, accepted, rejected", CASES,
+                         ids=[f"{case[0]['type']}-{index}" for index, case in enumerate(CASES)])
 def test_format_accepts_what_xgrammar_would(accepts, fmt, accepted, rejected):
     for text in accepted:
         assert accepts(fmt, text), text
