@@ -2,13 +2,14 @@
 
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from prometheus_client.metrics_core import Metric
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from openai_adapter.auth import api_key_dependency
@@ -22,7 +23,8 @@ from openai_adapter.head import HeadAsGet
 from openai_adapter.limits import check_limits, read_body
 from openai_adapter.metrics import AdapterMetrics, MetricsMiddleware
 from openai_adapter.models import model_cards
-from openai_adapter.openapi import error_responses, generation_route_docs, install_request_components
+from openai_adapter.openapi import (error_responses, generation_route_docs, install_request_components,
+                                    lora_route_docs)
 from openai_adapter.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -32,14 +34,17 @@ from openai_adapter.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     GenerationRequest,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    UnloadLoraAdapterRequest,
     parse_by_shape,
     parse_request,
 )
+from openai_adapter.runtime_lora import RuntimeAdapters, runtime_lora_allowed
 from openai_adapter.sse import completion_events
 from openai_adapter.settings import AdapterSettings
 from openai_adapter.shutdown import CANCELLED_EXIT_S, Drain, DrainingServer, shutting_down
@@ -49,15 +54,18 @@ from openai_adapter.triton_client import TritonClient
 
 def create_app(settings: AdapterSettings) -> FastAPI:
     started = int(time.time())
+    runtime_adapters = RuntimeAdapters(settings.lora_dir, settings.served_model_name,
+                                       runtime_lora_allowed(settings.allow_runtime_lora))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The gRPC channel belongs to the serving event loop, so it is made here rather than at import.
         triton = TritonClient(settings)
         app.state.triton = triton
-        app.state.completions = CompletionService(triton, settings.served_model_name, settings.lora_dir is not None)
+        app.state.completions = CompletionService(triton, settings.served_model_name, settings.lora_dir is not None,
+                                                  runtime_adapters)
         app.state.chat = ChatService(app.state.completions)
-        app.state.tokenization = TokenizationService(triton, settings.served_model_name)
+        app.state.tokenization = TokenizationService(triton, settings.served_model_name, runtime_adapters)
         try:
             yield
         finally:
@@ -120,17 +128,39 @@ def create_app(settings: AdapterSettings) -> FastAPI:
 
     @v1.get("/models", responses=error_responses(401) if with_auth else None)
     async def list_models(request: Request) -> ModelList:
-        """The base model, then each LoRA adapter as `<base>:<adapter>` (what `model` accepts)."""
-        return ModelList(data=await model_cards(settings, started, request.app.state.triton))
+        """The base model, each LoRA adapter of the directory as `<base>:<adapter>`, then the ones loaded at runtime
+        by their names (what `model` accepts)."""
+        return ModelList(data=await model_cards(settings, started, request.app.state.triton, runtime_adapters))
 
     @v1.get("/models/{model:path}", responses=error_responses(*((401, 404) if with_auth else (404,))))
     async def retrieve_model(request: Request, model: str) -> ModelCard:
         """One entry of /v1/models (adapter names may hold slashes); 404 model_not_found for any other."""
-        cards = await model_cards(settings, started, request.app.state.triton)
+        cards = await model_cards(settings, started, request.app.state.triton, runtime_adapters)
         card = next((card for card in cards if card.id == model), None)
         if card is None:
             raise model_not_found(model)
         return card
+
+    @v1.post("/load_lora_adapter", response_class=PlainTextResponse,
+             **lora_route_docs(LoadLoraAdapterRequest, with_auth))
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        """vLLM's: give `lora_name` to the adapter at `lora_path` (inside the adapters directory), once an engine
+        has read its files; /v1/models lists it at once and `model` accepts the name."""
+        body = parse_request(await read_body(request, settings.max_body_bytes), LoadLoraAdapterRequest)
+        triton: TritonClient = request.app.state.triton
+
+        async def engine_reads(path: str) -> None:
+            await triton.tokenize(body.lora_name, {}, request_id=f"lora-{uuid.uuid4().hex}",
+                                  sampling_parameters={"lora_path": path})
+
+        return PlainTextResponse(await runtime_adapters.load(body.lora_name, body.lora_path, engine_reads))
+
+    @v1.post("/unload_lora_adapter", response_class=PlainTextResponse,
+             **lora_route_docs(UnloadLoraAdapterRequest, with_auth))
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        """vLLM's: forget `lora_name`; requests already running with it finish, later ones get 404."""
+        body = parse_request(await read_body(request, settings.max_body_bytes), UnloadLoraAdapterRequest)
+        return PlainTextResponse(runtime_adapters.unload(body.lora_name))
 
     # SGLang's load report, which gateways (SMG) poll for load-aware routing; one entry per engine instance.
     @v1.get("/loads", include_in_schema=False)

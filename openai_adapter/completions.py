@@ -35,6 +35,7 @@ from openai_adapter.protocol import (
     StreamOptions,
     Usage,
 )
+from openai_adapter.runtime_lora import RuntimeAdapters
 from openai_adapter.triton_client import ChoiceOutput, GenerateRequest, TritonChunk, TritonClient
 
 
@@ -272,10 +273,12 @@ class CompletionAssembler:
 class CompletionService:
     """Runs completion requests against the Triton model."""
 
-    def __init__(self, triton: TritonClient, served_model_name: str, lora_enabled: bool = False) -> None:
+    def __init__(self, triton: TritonClient, served_model_name: str, lora_enabled: bool = False,
+                 runtime_adapters: RuntimeAdapters | None = None) -> None:
         self._triton = triton
         self._served_model_name = served_model_name
         self._lora_enabled = lora_enabled
+        self._runtime_adapters = runtime_adapters or RuntimeAdapters(None, served_model_name, allowed=False)
 
     async def complete(self, request: GenerationRequest) -> CompletionResponse:
         """A whole (non-streamed) completion."""
@@ -320,24 +323,30 @@ class CompletionService:
         return [parameters if adapter is None else {**parameters, "lora_path": adapter} for adapter in adapters]
 
     def _adapters(self, request: GenerationRequest) -> list[str | None]:
-        """Each prompt's LoRA adapter (None: the base model), from `model: "<served>:<adapter>"` or `lora_path`.
-        Whether it exists is the engine's to say (it answers not found), as it owns the adapters directory."""
-        base, colon, from_model = request.model.partition(":")
+        """Each prompt's LoRA adapter (None: the base model), from `model: "<served>:<adapter>"` or `lora_path`;
+        a runtime adapter's name (also alone as `model`, as vLLM) becomes its path inside the adapters directory.
+        Whether an adapter exists is otherwise the engine's to say (it answers not found), as it owns the
+        adapters directory."""
+        runtime_path = self._runtime_adapters.path_of
+        if runtime_path(request.model) is not None:
+            base, colon, from_model = self._served_model_name, ":", request.model
+        else:
+            base, colon, from_model = request.model.partition(":")
         if base != self._served_model_name or (colon and not (from_model and self._lora_enabled)):
             raise model_not_found(request.model)
         count = len(request.prompts())
         lora_path = request.lora_path
         if lora_path in (None, "", []):
-            return [from_model or None] * count
+            return [(runtime_path(from_model) or from_model) if from_model else None] * count
         if not self._lora_enabled:
             raise parameter_not_enabled("lora_path")
         if from_model:
             raise invalid_request("Give the LoRA adapter either in 'model' or in 'lora_path', not both.", "lora_path")
         if isinstance(lora_path, str):
-            return [lora_path] * count
+            return [runtime_path(lora_path) or lora_path] * count
         if len(lora_path) != count:
             raise invalid_request(f"lora_path has {len(lora_path)} entries for {count} prompts.", "lora_path")
-        return [path or None for path in lora_path]
+        return [(runtime_path(path) or path) if path else None for path in lora_path]
 
     async def _responses(
         self, request: GenerationRequest, prompt_parameters: list[dict], completion_id: str
@@ -358,7 +367,7 @@ class CompletionService:
                     yield item
         except AdapterError as error:
             # The engine names its own fields: the client should see the one it sent.
-            if error.code == "model_not_found" and ":" in request.model:
+            if error.code == "model_not_found" and not request.lora_path:
                 error.param = "model"  # the unknown adapter came from the model name
             elif error.param is not None:
                 error.param = _api_name(request, error.param)  # e.g. response_format for an invalid schema

@@ -1,5 +1,6 @@
 """What /v1/models lists: the served model, then each LoRA adapter of the adapters directory (shared with the
-engine, named by the rules of backend/interface/lora_names.py) as `<model>:<adapter>`. The engine's metrics add
+engine, named by the rules of backend/interface/lora_names.py) as `<model>:<adapter>`, then the adapters loaded at
+runtime by their own names (openai_adapter/runtime_lora.py). The engine's metrics add
 what only it knows: its `max_model_len`, and whether an adapter holds a slot now (`loaded`); its model
 configuration the base model's path (vLLM's `root`)."""
 
@@ -10,6 +11,7 @@ from backend.interface.lora_names import available_adapters
 from backend.interface.metric_names import GAUGES, LORA_LOADED
 from openai_adapter.engine_metrics import read_engine_metrics
 from openai_adapter.protocol import ModelCard
+from openai_adapter.runtime_lora import RuntimeAdapters
 from openai_adapter.settings import AdapterSettings
 from openai_adapter.triton_client import TritonClient
 
@@ -27,7 +29,8 @@ async def _engine_samples(metrics_url: str | None) -> list | None:
         return None
 
 
-async def model_cards(settings: AdapterSettings, created: int, triton: TritonClient) -> list[ModelCard]:
+async def model_cards(settings: AdapterSettings, created: int, triton: TritonClient,
+                      runtime_adapters: RuntimeAdapters) -> list[ModelCard]:
     samples = await _engine_samples(settings.triton_metrics_url)
     # with several engine instances, the smallest context is the one every request fits
     max_model_len = min((int(sample.value) for sample in samples or () if sample.name == GAUGES["max_model_len"][0]),
@@ -42,5 +45,10 @@ async def model_cards(settings: AdapterSettings, created: int, triton: TritonCli
                       max_model_len=max_model_len,
                       loaded=None if loaded is None else name in loaded)
             for name in available_adapters(settings.lora_dir)
+        ]
+        cards += [  # as vLLM lists them: by their own name
+            ModelCard(id=name, created=created, root=str(Path(settings.lora_dir) / path), parent=base,
+                      max_model_len=max_model_len, loaded=None if loaded is None else path in loaded)
+            for name, path in runtime_adapters.items()
         ]
     return cards

@@ -18,7 +18,7 @@ _COMPONENT_REF = "#/components/schemas/{model}"
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a bad parameter value, or a limit exceeded (`param` names it)",
     401: "Missing or incorrect API key (only when the server has one)",
-    404: "Unknown model",
+    404: "Unknown model (or adapter)",
     413: "Request body too large",
     503: "Triton or the model is unavailable, or the engine is overloaded (see Retry-After)",
     504: "Triton did not finish the request in time",
@@ -49,6 +49,19 @@ def generation_route_docs(
                 "content": {"text/event-stream": {"schema": {"type": "string"}}},
             },
             **error_responses(*errors),
+        },
+    }
+
+
+def lora_route_docs(request_model: type[BaseModel], with_auth: bool) -> dict[str, Any]:
+    """Keyword arguments for a runtime LoRA route decorator (flat bodies, vLLM's plain-text answer)."""
+    return {
+        "openapi_extra": {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": request_model.model_json_schema()}}}},
+        "responses": {
+            200: {"description": "vLLM's `Success: ...` line",
+                  "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **error_responses(*((400, 401, 404, 503) if with_auth else (400, 404, 503))),
         },
     }
 

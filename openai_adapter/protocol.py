@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     create_model,
@@ -151,7 +152,7 @@ class StructuralTagStructure(BaseModel):
 class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
-    # SGLang's structural_tag: the engine checks them (and refuses xgrammar's `format` and `at_least_one`)
+    # SGLang's structural_tag, its legacy form or xgrammar's `format` tree: the engine checks them
     structures: list[StructuralTagStructure] | None = None
     triggers: list[str] | None = None
     at_least_one: bool | None = None
@@ -162,7 +163,8 @@ class ResponseFormat(BaseModel):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs a json_schema object with a schema")
         if self.type == "structural_tag" and self.format is None and (self.structures is None or self.triggers is None):
-            raise ValueError("type 'structural_tag' needs structures and triggers")
+            raise ValueError("type 'structural_tag' needs structures and triggers (SGLang's form) or a format "
+                             "(xgrammar's)")
         return self
 
     def structural_tag(self) -> dict[str, Any]:
@@ -515,6 +517,28 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """Body of POST /v1/load_lora_adapter (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: NonEmptyStr
+    """The name requests give as `model` (or `lora_path`)."""
+    lora_path: NonEmptyStr
+    """The adapter's directory: inside the adapters directory (relative to it or absolute)."""
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """Body of POST /v1/unload_lora_adapter (vLLM's; adapters have no integer ids here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: NonEmptyStr
 
 
 def _json_object(body: bytes) -> dict:

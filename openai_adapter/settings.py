@@ -32,5 +32,8 @@ class AdapterSettings:
     max_tokens: int | None = setting(None, "largest max_tokens (unset: only the context length limits it)")
     lora_dir: str | None = setting(None, "the engine's LoRA adapters directory (the same path): enables "
                                          "'<model>:<adapter>' and lora_path, and /v1/models lists its adapters")
+    allow_runtime_lora: bool = setting(False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; "
+                                              "adapters inside --lora-dir; also on with "
+                                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
     triton_metrics_url: str | None = setting(None, "tritonserver's metrics endpoint, e.g. "
                                                    "http://127.0.0.1:8002/metrics (engine load, loaded adapters)")

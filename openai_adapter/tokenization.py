@@ -11,13 +11,15 @@ from openai_adapter.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from openai_adapter.runtime_lora import RuntimeAdapters
 from openai_adapter.triton_client import TritonClient
 
 
 class TokenizationService:
-    def __init__(self, triton: TritonClient, served_model_name: str) -> None:
+    def __init__(self, triton: TritonClient, served_model_name: str, runtime_adapters: RuntimeAdapters) -> None:
         self._triton = triton
         self._served_model_name = served_model_name
+        self._runtime_adapters = runtime_adapters
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         chat = isinstance(request, TokenizeChatRequest)
@@ -36,8 +38,9 @@ class TokenizationService:
     async def _call(self, model: str | None, prompt: str | list[int] | list[dict],
                     prompt_options: dict[str, bool | str],
                     field: str):
-        # Every adapter shares the base model's tokenizer: "<model>:<adapter>" tokenizes alike.
-        if model is not None and model.partition(":")[0] != self._served_model_name:
+        # Every adapter shares the base model's tokenizer: "<model>:<adapter>" (or a runtime one) tokenizes alike.
+        if model is not None and model.partition(":")[0] != self._served_model_name \
+                and self._runtime_adapters.path_of(model) is None:
             raise model_not_found(model)
         try:
             return await self._triton.tokenize(prompt, prompt_options, request_id=f"tokenize-{uuid.uuid4().hex}")

@@ -167,9 +167,12 @@ class TritonClient:
                 yield _parse_response(result)
 
     async def tokenize(self, prompt: str | list[int] | list[dict], prompt_options: dict[str, bool | str],
-                       request_id: str) -> TokenizedPrompt:
-        """The prompt's tokens (or a token-id prompt's text), from the engine's tokenizer; nothing is generated."""
+                       request_id: str, sampling_parameters: dict | None = None) -> TokenizedPrompt:
+        """The prompt's tokens (or a token-id prompt's text), from the engine's tokenizer; nothing is generated.
+        The engine still checks `sampling_parameters` (reading the files of its `lora_path`)."""
         inputs = [*_prompt_inputs(prompt, prompt_options), _tensor("tokenize_only", np.array([True]), "BOOL")]
+        if sampling_parameters is not None:
+            inputs.append(_tensor("sampling_parameters", _bytes_array(json.dumps(sampling_parameters)), "BYTES"))
         async with aclosing(self._stream(inputs, request_id)) as results:
             async for result in results:
                 return TokenizedPrompt(token_ids=_ints(result, "prompt_token_ids"),

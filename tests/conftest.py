@@ -45,7 +45,8 @@ def stack_process(default_model_dir: Path, stack_lora_dir: Path,
     with running_stack(default_model_dir, tmp_path_factory.mktemp("stack"), *EXACT_OPTIONS,
                        "--kv-cache-memory", STACK_KV_CACHE_MEMORY,
                        "--max-num-seqs", str(STACK_MAX_NUM_SEQS), "--max-queue-len", str(STACK_MAX_QUEUE_LEN),
-                       "--lora-dir", str(stack_lora_dir), "--max-loras", "1", lora_dir=stack_lora_dir) as started:
+                       "--lora-dir", str(stack_lora_dir), "--max-loras", "1", "--allow-runtime-lora", "true",
+                       lora_dir=stack_lora_dir) as started:
         yield started
 
 

@@ -42,7 +42,8 @@ def _complete(client, headers=None, **fields):
                                      {"Authorization": KEY}, {"Authorization": "Bearer"}])
 def test_api_routes_without_the_key_are_401(client, headers):
     vllm_routes = [client.post(route, json=body, headers=headers) for route, body in (
-        ("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]}), ("/invocations", {"prompt": "Hi"}))]
+        ("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]}), ("/invocations", {"prompt": "Hi"}),
+        ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "a"}), ("/v1/unload_lora_adapter", {"lora_name": "a"}))]
     for response in (_complete(client, headers=headers), client.get("/v1/models", headers=headers), *vllm_routes):
         error = _error(response, 401)
         assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")

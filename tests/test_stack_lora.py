@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lora_helpers import merged_model
+from lora_helpers import merged_model, write_random_adapter
 
 PROMPT = "The capital of France is"
 
@@ -119,3 +120,76 @@ def test_routed_experts_on_the_dense_model_is_400(stack):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "return_routed_experts" and "no experts" in error["message"]
+
+
+def _lora_route(stack, route: str, **body) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}/{route}_lora_adapter", json=body, timeout=60)
+
+
+def test_runtime_adapter_load_serve_and_unload_while_in_use(client, stack):
+    base, alpha = _text(client, stack.model_name), _text(client, f"{stack.model_name}:alpha")
+    loaded = _lora_route(stack, "load", lora_name="sql-lora", lora_path="alpha")
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'sql-lora' added successfully."
+    try:
+        cards = {card.id: card for card in client.models.list().data}
+        assert cards["sql-lora"].model_extra["parent"] == stack.model_name
+        assert Path(cards["sql-lora"].model_extra["root"]).resolve() == (stack.lora_dir / "alpha").resolve()
+        # vLLM's way (the name alone) and ours (<model>:<name>) both serve the adapter's weights
+        assert _text(client, "sql-lora") == alpha != base
+        assert _text(client, f"{stack.model_name}:sql-lora") == alpha
+        assert _text(client, stack.model_name, lora_path="sql-lora") == alpha
+        tokenized = httpx.post(f"{stack.base_url.removesuffix('/v1')}/tokenize", timeout=30,
+                               json={"model": "sql-lora", "prompt": PROMPT})
+        assert tokenized.status_code == 200 and tokenized.json()["count"] > 0
+        again = _lora_route(stack, "load", lora_name="sql-lora", lora_path="beta")
+        assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+        assert "has already been loaded" in again.json()["error"]["message"]
+
+        stream = client.completions.create(model="sql-lora", prompt=PROMPT, max_tokens=64, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(stream)]
+    finally:
+        unloaded = _lora_route(stack, "unload", lora_name="sql-lora")
+    assert unloaded.status_code == 200 and unloaded.text == "Success: LoRA adapter 'sql-lora' removed successfully."
+    # at once: no longer listed, new requests refused, while the running one goes on with the adapter
+    assert "sql-lora" not in {card.id for card in client.models.list().data}
+    with pytest.raises(openai.NotFoundError) as raised:
+        _text(client, "sql-lora")
+    assert raised.value.body["message"] == "The model 'sql-lora' does not exist."
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    streamed = "".join(chunk.choices[0].text for chunk in chunks)
+    assert streamed.startswith(alpha)
+    gone = _lora_route(stack, "unload", lora_name="sql-lora")
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_name"
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"lora_path": "alpha"}, 400, "lora_name", "Missing required parameter"),
+    ({"lora_name": "x"}, 400, "lora_path", "Missing required parameter"),
+    ({"lora_name": "", "lora_path": "alpha"}, 400, "lora_name", "at least 1 character"),
+    ({"lora_name": "x", "lora_path": "alpha", "load_inplace": True}, 400, "load_inplace", "Unrecognized"),
+    ({"lora_name": "x", "lora_path": 3}, 400, "lora_path", "valid string"),
+    ({"lora_name": "alpha", "lora_path": "beta"}, 400, "lora_name", "has already been loaded"),  # a directory one
+    ({"lora_name": "x", "lora_path": "nope"}, 404, "lora_path", "there is no LoRA adapter 'nope'"),
+    ({"lora_name": "x", "lora_path": "../.."}, 400, "lora_path", "not inside the adapters directory"),
+])
+def test_runtime_adapter_bad_loads_name_the_field(client, stack, body, status, param, words):
+    response = _lora_route(stack, "load", **body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert "x" not in {card.id for card in client.models.list().data}
+
+
+def test_runtime_adapter_the_engine_refuses_is_400(client, stack, default_model_dir):
+    folder = stack.lora_dir / "too-wide"
+    write_random_adapter(folder, default_model_dir, seed=9, rank=32)  # the stack's max_lora_rank is 16
+    try:
+        response = _lora_route(stack, "load", lora_name="wide", lora_path=str(folder))  # absolute, inside
+    finally:
+        shutil.rmtree(folder)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "lora_path" and "max_lora_rank=16" in error["message"]
+    assert "wide" not in {card.id for card in client.models.list().data}

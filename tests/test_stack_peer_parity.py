@@ -306,7 +306,7 @@ def test_structural_tag_constrains_what_follows_each_trigger(stack):
         assert call.startswith("get_weather>") and set(json.loads(arguments)) == {"city", "unit"}, text
     for bad, message in [
         ({**STRUCTURAL_TAG, "triggers": ["<tool>"]}, "starts with none of the triggers"),
-        ({"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}, "'format' form"),
+        ({"type": "structural_tag", "format": {"type": "const_string", "value": 1}}, "format.value must be a string"),
         ({"type": "structural_tag", "triggers": ["<"]}, "needs structures and triggers"),
     ]:
         error = _error(_post(stack, "completions", response_format=bad, **body))

@@ -227,3 +227,67 @@ def test_tritonclient_sampling_parameters_carry_constraints(stack):
     responses, error = grpc_generate(stack, "Hi", {"json_schema": {"type": "object", "properties": {
         "a": {"type": "nonsense"}}}}, stream=False)
     assert responses == [] and "[invalid_request:json_schema]" in str(error)
+
+
+# --- xgrammar's structural tag `format` form (SGLang's newer structural_tag) ------------------------------------
+
+WEATHER = closed({"city": text(12), "unit": {"enum": ["C", "F"]}})
+TOOL_PROMPT = ('Calls of the weather tool, one per line:\n<function=get_weather>{"city": "Paris"}</function>\n'
+               '<function=get_weather>{"city": "Rome"}</function>\n')
+ANSWER_FORMAT = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "Answer: "},
+    {"type": "or", "elements": [{"type": "regex", "pattern": "[0-9]{3}"},
+                                {"type": "json_schema", "json_schema": POINT}]},
+    {"type": "const_string", "value": " (done)"}]}}
+ONE_CALL_FORMAT = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<function="], "at_least_one": True, "stop_after_first": True,
+    "tags": [{"type": "tag", "begin": "<function=get_weather>", "end": "</function>",
+              "content": {"type": "json_schema", "json_schema": WEATHER}}]}}
+
+
+def test_structural_tag_format_sequence_with_the_sdk(complete, client, stack):
+    completion = complete(prompt="The answer is 42. ", max_tokens=40, temperature=0,
+                          extra_body={"response_format": ANSWER_FORMAT})
+    choice = completion.choices[0]
+    answer = regex.fullmatch(r"Answer: ([0-9]{3}|\{.*\}) \(done\)", choice.text)
+    assert answer and choice.finish_reason == "stop", choice
+    if answer.group(1).startswith("{"):
+        jsonschema.validate(json.loads(answer.group(1)), POINT)
+    # the same tag as OpenAI's response_format, in a chat
+    chat = client.chat.completions.create(model=stack.model_name, max_completion_tokens=40, temperature=0,
+                                          messages=[{"role": "user", "content": "Give me a number."}],
+                                          response_format=ANSWER_FORMAT)
+    assert regex.fullmatch(r"Answer: ([0-9]{3}|\{.*\}) \(done\)", chat.choices[0].message.content), chat
+
+
+def test_structural_tag_format_triggered_tags_force_one_valid_call(complete):
+    choice = complete(prompt=TOOL_PROMPT, max_tokens=60, temperature=0,
+                      extra_body={"response_format": ONE_CALL_FORMAT}).choices[0]
+    call = regex.fullmatch(r"(?s)(.*?)<function=get_weather>(\{.*\})</function>", choice.text)
+    assert call and "<function=" not in call.group(1) and choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(call.group(2)), WEATHER)  # the unit too, which the prompt's examples lack
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "json_schema": WEATHER, "style": "qwen_xml"}, "format.style 'qwen_xml'"),
+    ({"type": "sequence", "elements": [{"type": "any_text"}, {"type": "json_schema", "json_schema": WEATHER}]},
+     "format.elements[0] must end the format"),
+    ({"type": "tag", "begin": "<a>", "content": {"type": "regex", "pattern": "[0-9"}, "end": "</a>"},
+     "format.content.pattern is not a valid regex"),
+])
+def test_structural_tag_format_that_does_not_map_is_400(complete, fmt, words):
+    with pytest.raises(openai.BadRequestError) as raised:
+        complete(prompt="Hi", max_tokens=5, extra_body={"response_format": {"type": "structural_tag", "format": fmt}})
+    error = raised.value.body
+    assert error["param"] == "response_format" and words in error["message"], error
+
+
+def test_tritonclient_carries_the_structural_tag_format(stack):
+    responses, error = grpc_generate(stack, "The answer is 42. ", {"max_tokens": 40, "temperature": 0,
+                                                                   "structural_tag": ANSWER_FORMAT}, stream=False,
+                                     exclude_input_in_output=True)
+    assert error is None
+    assert regex.fullmatch(r"Answer: ([0-9]{3}|\{.*\}) \(done\)", responses[-1].as_numpy("text_output")[0].decode())
+    responses, error = grpc_generate(stack, "Hi", {"structural_tag": {"type": "structural_tag", "format": {
+        "type": "const_string"}}}, stream=False)
+    assert responses == [] and "[invalid_request:structural_tag]" in str(error) and "format.value" in str(error)

@@ -211,7 +211,8 @@ class SamplingParams:
     ebnf: str | None = parameter(None, "constrain the output to a Lark or GBNF grammar",
                                  api_names=("guided_grammar", "guided_choice"))
     structural_tag: JsonText | None = parameter(None, "SGLang's structural tag: free text in which each trigger "
-                                                "starts one of the structures (begin, JSON per its schema, end)",
+                                                "starts one of the structures (begin, JSON per its schema, end), "
+                                                "or xgrammar's format tree",
                                                 api_names=("response_format",))
     lora_path: str | None = parameter(None, "LoRA adapter: its name or a path inside the adapters directory")
     cache_salt: str | None = parameter(None, "requests share cached prompt prefixes only with requests of the "

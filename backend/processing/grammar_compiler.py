@@ -19,6 +19,7 @@ import llguidance.hf
 from llguidance import LLMatcher
 
 from backend.interface.errors import InvalidRequest
+from backend.processing.structural_tag_format import structural_tag_format_grammar
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,8 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 def structural_tag_lark(text: str) -> str:
     """SGLang's structural tag as a Lark grammar. Its `structures` (begin, schema, end) and `triggers` are
     llguidance's structural tags: free text in which a trigger (text, even when it looks like a special token)
-    must go on as a structure whose begin starts with it, then JSON of its schema, then its end. xgrammar's
-    newer `format` trees have no llguidance counterpart, nor does `at_least_one`: both are refused."""
+    must go on as a structure whose begin starts with it, then JSON of its schema, then its end (this form's
+    `at_least_one` is refused). xgrammar's newer `format` tree: structural_tag_format.py."""
     def fail(message: str) -> InvalidRequest:
         return InvalidRequest(f"invalid structural_tag: {message}", "structural_tag")
 
@@ -44,9 +45,8 @@ def structural_tag_lark(text: str) -> str:
         raise fail(f"not valid JSON: {error}") from None
     if not isinstance(tag, dict):
         raise fail("it must be an object with structures and triggers")
-    if "format" in tag:
-        raise fail("the 'format' form (xgrammar's structural tag) is not supported: give 'structures' and "
-                   "'triggers' (SGLang's form, which llguidance implements)")
+    if "format" in tag:  # xgrammar's newer form
+        return structural_tag_format_grammar(tag)
     if tag.get("at_least_one"):
         raise fail("at_least_one is not supported")
     structures, triggers = tag.get("structures"), tag.get("triggers")

@@ -98,8 +98,11 @@ class InputProcessor:
             if params.allowed_token_ids else None
         return CoreRequest(request_id, prompt_token_ids, params, max_tokens, lora, grammar, allowed)
 
-    def tokenize(self, prompt: str | list[int] | list[dict], options: PromptOptions) -> TokenizedPrompt:
-        """The prompt's tokens, nothing generated (an empty prompt has none)."""
+    def tokenize(self, prompt: str | list[int] | list[dict], options: PromptOptions,
+                 lora_path: str | None = None) -> TokenizedPrompt:
+        """The prompt's tokens, nothing generated (an empty prompt has none). An adapter named is read and
+        checked as a generation would (then kept among the recent ones): runtime LoRA loads ask so."""
+        self._adapter(lora_path)
         token_ids = self._tokenize(prompt, options)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids)
         return TokenizedPrompt(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids), text)

@@ -105,8 +105,8 @@ class TritonPythonModel:
         try:
             parsed = parse_request({name: self._input(request, name) for name in INPUTS})
             if parsed.tokenize_only:  # answered at once: nothing reaches the core
-                tensors = tokenized_tensors(self.inputs.tokenize(parsed.prompt, parsed.options),
-                                            self.inputs.limits.capacity)
+                tokenized = self.inputs.tokenize(parsed.prompt, parsed.options, parsed.params.lora_path)
+                tensors = tokenized_tensors(tokenized, self.inputs.limits.capacity)
                 self.mailbox.put(lambda: self._send_final(sender, tensors))
                 return
             core_request = self.inputs.process(request_id, parsed.prompt, parsed.params, parsed.options)
