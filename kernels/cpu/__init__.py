@@ -71,6 +71,9 @@ def build() -> Path | None:
             log.warning("building the CPU ops failed, using the torch references: %s", result.stderr[-2000:])
             return None
         os.replace(built, target)
+    for stale in target.parent.glob("cpu_ops-*.so"):  # older sources or flags (a loaded copy stays mapped)
+        if stale != target:
+            stale.unlink(missing_ok=True)
     return target
 
 

@@ -73,11 +73,11 @@ static inline float exp_approx(float x) {
 
 typedef uint8_t vbytes __attribute__((vector_size(VLEN), aligned(1)));
 
+/* A block's fp16 d and m as floats. One vector conversion of both: a scalar one merges into its destination
+ * register, which chains every block to the one before. */
 /* bytes → floats through int32 (a direct conversion is scalarized) */
 static inline vf to_float(vbytes bytes) { return __builtin_convertvector(__builtin_convertvector(bytes, vi), vf); }
 
-/* A block's fp16 d and m as floats. One vector conversion of both: a scalar one merges into its destination
- * register, which chains every block to the one before. */
 static inline void block_scales(const uint8_t *block, float *d, float *m) {
 #if defined(__F16C__)
     int32_t both;
@@ -102,11 +102,19 @@ static inline void dequantize_row(const uint8_t *row, int64_t blocks, float *w) 
         block_scales(block, &d, &m);
         const vf dv = splat(d), mv = splat(m);
         float *out = w + b * Q4_BLOCK;
-        for (int c = 0; c < 16; c += VLEN) {
-            const vbytes nibbles = *(const vbytes *)(block + 4 + c);
-            store(out + c, to_float(nibbles & 15) * dv + mv);
-            store(out + 16 + c, to_float(nibbles >> 4) * dv + mv);
+#if VLEN == 16
+        const vbytes nibbles = *(const vbytes *)(block + 4);
+        store(out, to_float(nibbles & 15) * dv + mv);
+        store(out + 16, to_float(nibbles >> 4) * dv + mv);
+#else /* AVX2: split the 16 bytes by hand (GCC scalarizes byte shifts and conversions of 8-byte vectors) */
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)), low_bits = _mm_set1_epi8(15);
+        const __m128i halves[2] = {_mm_and_si128(bytes, low_bits), _mm_and_si128(_mm_srli_epi16(bytes, 4), low_bits)};
+        for (int half = 0; half < 2; half++) {
+            store(out + 16 * half, (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[half])) * dv + mv);
+            store(out + 16 * half + 8,
+                  (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[half], 8))) * dv + mv);
         }
+#endif
     }
 }
 
