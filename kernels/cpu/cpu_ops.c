@@ -33,10 +33,15 @@ static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 static inline void store(float *p, vf v) { *(vf_unaligned *)p = v; }
 static inline vf splat(float x) { return (vf){0} + x; }
 
+/* A vector's lanes summed as a tree (halves added, then their halves...): a fixed order, in a few shuffles. */
 static inline float lane_sum(vf v) {
-    float sum = 0.0f;
-    for (int i = 0; i < VLEN; i++) sum += v[i];
-    return sum;
+#if VLEN == 16
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+#endif
 }
 
 static inline vf vmax(vf a, vf b) {
