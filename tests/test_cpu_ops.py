@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kernels
+from backend.model_files import cpu_ops_dir
 from kernels import cpu
 from kernels.activation import silu_and_mul_reference
 from kernels.decode_attention import paged_decode_attention_reference
@@ -17,6 +18,11 @@ from kernels.rms_norm import rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
 
 CLOSE = {"atol": 2e-5, "rtol": 2e-5}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    assert cpu.load(cpu_ops_dir())  # the test machines have a C compiler
 
 
 @pytest.fixture(autouse=True)
@@ -111,7 +117,7 @@ def test_paged_decode_attention(heads, kv_heads, head_dim):
 
 def test_the_engine_ops_use_them_on_float32_cpu_tensors(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu.library(), "silu_and_mul", lambda *args: calls.append(args))
+    monkeypatch.setattr(cpu._library, "silu_and_mul", lambda *args: calls.append(args))
     kernels.silu_and_mul(torch.randn(2, 8))
     assert len(calls) == 1
     kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.bfloat16))  # not float32: the reference

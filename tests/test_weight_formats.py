@@ -13,7 +13,9 @@ from backend.interface.parameters import SamplingParams
 from backend.layers import linear
 from backend.llm_engine import LLMEngine
 from backend.models import registry
+from backend.model_files import cpu_ops_dir
 from backend.models.weights import read_q4_1_blocks
+from kernels import cpu as cpu_ops
 from engine_helpers import generate, prefill_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
@@ -103,6 +105,7 @@ def test_int4_computes_with_the_ggufs_own_q4_1_weights(default_model_dir):
     dequantized = qkv.d.float().repeat_interleave(32, 1) * qkv.q + qkv.m.float().repeat_interleave(32, 1)
     assert torch.equal(dequantized, model.projection_weights(0)[0])  # the dense checkpoint is those numbers
     x = torch.randn(3, dequantized.shape[1])
+    assert cpu_ops.load(cpu_ops_dir())
     for int4 in (linear.Int4Projection(qkv, None, torch.float32), linear.Q4Projection(qkv, None)):  # torch's, ours
         torch.testing.assert_close(int4(x), x @ dequantized.T, atol=1e-4, rtol=1e-4)
 

@@ -129,8 +129,9 @@ def prepare(args: argparse.Namespace) -> int:
     log.info("preparing the default model…")
     log.info("model ready at %s", model_files.prepare_default_model(force=args.force))
     from kernels import cpu  # imports torch: only here
-    built = cpu.build()
-    log.info("CPU ops %s", f"built for this CPU at {built}" if built else "unavailable (no C compiler): torch ops")
+    built = cpu.load(model_files.cpu_ops_dir())
+    log.info("CPU ops %s", f"built for this CPU in {model_files.cpu_ops_dir()}" if built else
+             "unavailable (no C compiler, or TRITONLLM_CPU_OPS=0): torch ops")
     return 0
 
 

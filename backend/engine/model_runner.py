@@ -16,10 +16,12 @@ from backend.engine.lora_slots import LoraSlotPool
 from backend.engine.scheduler import ScheduledSequence
 from backend.engine.sequence import Sequence
 from backend.layers.linear import candidates, choose_format
+from backend.model_files import cpu_ops_dir
 from backend.layers.lora import LayerLora
 from backend.models import registry
 from backend.models.llama import LlamaForCausalLM
 from backend.models.weights import read_q4_1_blocks
+from kernels import cpu as cpu_ops
 from kernels.decode_attention import DecodeWorkspace
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
         return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
+    cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
     model = registry.from_pretrained(model_dir, torch.float32, device)
     q4 = read_q4_1_blocks(model_dir, model.arch)
     options = candidates(config.weight_format, dtype, has_q4=q4 is not None)

@@ -3,9 +3,9 @@
 One step of a small model on a CPU is hundreds of small torch ops (each a dispatch and an OpenMP fork), and the
 int4 weights have no fast fp32-activation kernel in torch. These ops do the same work in a few calls per layer,
 and `q4_matmul` reads the checkpoint's own 4-bit weights (5 bits per weight with their scales, against 16 for
-fp16). The library is compiled with `-march=native` (so it suits exactly the CPU it runs on) into the cache
-directory, keyed by the source, the flags and the CPU's feature flags; without a C compiler everything falls back
-to the torch references. ctypes releases the GIL during each call; the OpenMP runtime is torch's own (the
+fp16). `load(directory)` compiles the library with `-march=native` (so it suits exactly the CPU it runs on) into that
+directory, keyed by the source, the flags and the CPU's feature flags, and loads it; until then, without a C
+compiler, or with TRITONLLM_CPU_OPS=0, the engine's ops run the torch references. ctypes releases the GIL during each call; the OpenMP runtime is torch's own (the
 library links libgomp.so.1, which torch has already loaded), so the process keeps one thread team."""
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-from functools import cache
 from pathlib import Path
 
 import torch
 
-from backend.model_files import cache_root  # stdlib only: the one rule for where caches live
 from kernels.decode_attention import paged_decode_attention_reference
 from kernels.kv_cache import store_kv_cache_reference
 from kernels.rotary import rotary_embedding_reference
@@ -51,15 +49,16 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build() -> Path | None:
-    """The compiled library for this CPU (compiling it unless cached), or None without a working C compiler."""
+def build(directory: Path) -> Path | None:
+    """The library compiled for this CPU in `directory` (unless already there), or None without a working C
+    compiler."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("no C compiler: the CPU runs the torch reference ops (slower)")
         return None
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_flags(), torch.__version__])
                          .encode()).hexdigest()[:16]
-    target = cache_root() / "cpu_ops" / f"cpu_ops-{key}.so"
+    target = directory / f"cpu_ops-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,22 +76,25 @@ def build() -> Path | None:
     return target
 
 
-@cache
-def library() -> ctypes.CDLL | None:
-    if os.environ.get("TRITONLLM_CPU_OPS", "1") == "0":
-        return None
-    path = build()
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
-    for name, argtypes in SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
-    return lib
+_library: ctypes.CDLL | None = None
+
+
+def load(directory: Path) -> bool:
+    """Build (unless cached in `directory`) and load the ops once per process; whether they are in use."""
+    global _library
+    if _library is None and os.environ.get("TRITONLLM_CPU_OPS", "1") != "0":
+        path = build(directory)
+        if path is not None:
+            library = ctypes.CDLL(str(path))
+            for name, argtypes in SIGNATURES.items():
+                getattr(library, name).argtypes = argtypes
+                getattr(library, name).restype = None
+            _library = library
+    return _library is not None
 
 
 def available() -> bool:
-    return library() is not None
+    return _library is not None
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -115,7 +117,7 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ the packed weights' [out, in].T → [tokens, out]."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
-    library().q4_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), packed.shape[0], out.data_ptr())
+    _library.q4_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), packed.shape[0], out.data_ptr())
     return out
 
 
@@ -131,7 +133,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     width = x.shape[-1]
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
-    library().rms_norm(x.data_ptr(), _ptr(None if residual is None else residual.contiguous()), weight.data_ptr(),
+    _library.rms_norm(x.data_ptr(), _ptr(None if residual is None else residual.contiguous()), weight.data_ptr(),
                        x.numel() // width, width, eps, out.data_ptr(), _ptr(summed))
     return out if residual is None else (out, summed)
 
@@ -140,7 +142,7 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     if not (_rows(q) and _rows(k)):
         return rotary_embedding_reference(q, k, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
-    library().rotary_embedding(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+    _library.rotary_embedding(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
                                q.shape[0], q.shape[2], cos.data_ptr(), sin.data_ptr())
 
 
@@ -149,7 +151,7 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     if not (_rows(k) and _rows(v) and slot_mapping.dtype == torch.int64 and k_cache.is_contiguous()):
         return store_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
     slots = slot_mapping.contiguous()
-    library().store_kv_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
+    _library.store_kv_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
                              k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
 
 
@@ -162,7 +164,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()  # rows may be strided
     lens = context_lens.contiguous()
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    library().paged_decode_attention(q.data_ptr(), q.stride(0), seqs, heads, head_dim, k_cache.data_ptr(),
+    _library.paged_decode_attention(q.data_ptr(), q.stride(0), seqs, heads, head_dim, k_cache.data_ptr(),
                                      v_cache.data_ptr(), block_size, kv_heads, tables.data_ptr(), tables.stride(0),
                                      lens.data_ptr(), tables.shape[1] * block_size, scale, out.data_ptr())
     return out
@@ -172,5 +174,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     width = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
-    library().silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1], width, out.data_ptr())
+    _library.silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1], width, out.data_ptr())
     return out
