@@ -85,12 +85,12 @@ def _parse(text: str, step: int) -> tuple[str, list[dict], list[dict]]:
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
 def test_the_parser_gives_the_same_calls_however_the_text_is_split(step):
-    text = 'Let me check. ' + CALL + '\n<tool_call>\n{"name": "now", "arguments": {"x": "}\\n</tool_call>"}}' \
-        '\n</tool_call>'
+    tricky = r'{"x": "}\" \n</tool_call>"}'  # a string holding a brace, an escaped quote and the closing markup
+    text = 'Let me check. ' + CALL + '\n<tool_call>\n{"name": "now", "arguments": ' + tricky + '}\n</tool_call>'
     content, calls, deltas = _parse(text, step)
     assert content == "Let me check. "
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Paris", "unit": "c"}), ("now", {"x": "}\n</tool_call>"})]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Paris", "unit": "c"}'), ("now", tricky)]
     assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
     firsts = [d for d in deltas if "id" in d]
     assert [d["index"] for d in firsts] == [0, 1] and all(d["function"]["arguments"] == "" for d in firsts)
