@@ -102,8 +102,8 @@ class GenerateRequest:
     return_token_ids: bool = False
     """The new tokens' ids per choice, and the prompt's once."""
     prompt_options: dict[str, bool | str] = field(default_factory=dict)
-    """PROMPT_OPTIONS and TOOL_INPUTS inputs (backend/interface/tensors.py) by name, a bool for a BOOL input, a string for a STRING
-    one; an absent one keeps the engine's default."""
+    """PROMPT_OPTIONS and TOOL_INPUTS inputs (backend/interface/tensors.py) by name, a bool for a BOOL input, a
+    string for a STRING one; an absent one keeps the engine's default."""
 
 
 @dataclass(frozen=True)

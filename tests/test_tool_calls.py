@@ -56,7 +56,8 @@ def test_tool_choice_defaults_and_named_function():
 @pytest.mark.parametrize("message, error", [
     ({"role": "tool", "content": "18"}, "tool_call_id"),
     ({"role": "user"}, "needs a content"),
-    ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}, "only assistant"),
+    ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+     "only assistant"),
     ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}, "arguments"),
     ({"role": "assistant", "content": "x", "tool_calls": []}, "non-empty"),
 ])

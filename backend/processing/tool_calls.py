@@ -16,6 +16,7 @@ from pathlib import Path
 from backend.interface.tools import NO_PARAMETERS, ToolSpec
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_TAIL = "}\n" + CALL_CLOSE  # after the arguments: the call object's own brace
 HERMES_TEMPLATE = (Path(__file__).parent / "templates" / "hermes_tools.jinja").read_text()
 """The chat template for models whose own renders no tools."""
 # Arguments as the Hermes prompt shows them and templates render them (tojson): ", " and ": ", no free whitespace
@@ -35,7 +36,7 @@ def tool_call_lark(spec: ToolSpec) -> str:
     for index, function in enumerate(spec.callable_functions()):
         schema = {**(function.get("parameters") or NO_PARAMETERS), "x-guidance": _JSON_OPTIONS}
         head = _lark_string(f'\n{{"name": "{function["name"]}", "arguments": ')
-        bodies.append(f"body_{index}: {head} %json {json.dumps(schema)} {_lark_string(chr(10).join(['}', CALL_CLOSE]))}")
+        bodies.append(f"body_{index}: {head} %json {json.dumps(schema)} {_lark_string(CALL_TAIL)}")
     more = ' ("\\n" call)*' if spec.parallel and spec.choice in ("auto", "required") else ""
     if spec.choice == "auto":  # free text, or free text up to the trigger and then calls
         start = ["start: text | trigger body" + more, "text: TEXT", "TEXT: /(.|\\n)*/",
