@@ -13,8 +13,10 @@ import numpy as np
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
 from backend.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING, chat_template_conflict, message_text
+from backend.interface.tools import template_message, tool_spec
 from backend.processing.input_processor import PromptOptions, TokenizedPrompt
 from backend.processing.outputs import RequestOutput, TokenLogprob
+from backend.processing.tool_calls import merge_tool_call_deltas
 
 
 @dataclass
@@ -47,7 +49,8 @@ def _text(value, name: str) -> str:
 
 
 def _messages(raw: str) -> list[dict]:
-    """The `messages` input: a JSON list of {role, content} chat messages (content: a string or text parts)."""
+    """The `messages` input: a JSON list of {role, content} chat messages (content: a string or text parts; an
+    assistant's tool_calls, a tool result's tool_call_id)."""
     try:
         messages = json.loads(raw)
     except json.JSONDecodeError as error:
@@ -56,15 +59,15 @@ def _messages(raw: str) -> list[dict]:
         raise InvalidRequest("input messages must be a non-empty JSON list of {role, content} objects")
     rendered = []
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES or "content" not in message:
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
             raise InvalidRequest(f"messages[{index}] must be an object with a role in {list(CHAT_ROLES)} "
                                  "and a string content")
         try:
-            content = message_text(message["content"])
+            # Only the keys of template_message reach the chat template: others would change the rendering
+            # unnoticed.
+            rendered.append(template_message(message, index, message_text))
         except ValueError as error:
-            raise InvalidRequest(f"messages[{index}]: {error}") from None
-        # Only role and content reach the chat template: other keys would change the rendering unnoticed.
-        rendered.append({"role": message["role"], "content": content})
+            raise InvalidRequest(str(error), "messages") from None
     return rendered
 
 
@@ -108,7 +111,29 @@ def _options(inputs: dict[str, np.ndarray | None]) -> PromptOptions:
             raise InvalidRequest("chat_template_kwargs must be a JSON object", "chat_template_kwargs")
     return PromptOptions(add_special_tokens=_flag(inputs, "add_special_tokens"),
                          add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                         chat_template_kwargs=kwargs)
+                         chat_template_kwargs=kwargs, tools=_tools(inputs))
+
+
+def _tools(inputs: dict[str, np.ndarray | None]):
+    """The TOOL_INPUTS as a ToolSpec (None without tools)."""
+    raw_tools = _scalar(inputs.get("tools"), "tools")
+    tools = None
+    if raw_tools is not None:
+        try:
+            tools = json.loads(_text(raw_tools, "tools"))
+        except json.JSONDecodeError as error:
+            raise InvalidRequest(f"tools is not valid JSON: {error}", "tools") from None
+    raw_choice = _scalar(inputs.get("tool_choice"), "tool_choice")
+    choice = None if raw_choice is None else _text(raw_choice, "tool_choice")
+    if choice is not None and choice.lstrip().startswith("{"):  # a named function
+        try:
+            choice = json.loads(choice)
+        except json.JSONDecodeError as error:
+            raise InvalidRequest(f"tool_choice is not valid JSON: {error}", "tool_choice") from None
+    spec = tool_spec(tools, choice, _flag(inputs, "parallel_tool_calls"))
+    if spec is not None and _scalar(inputs.get("messages"), "messages") is None:
+        raise InvalidRequest("tools need a chat: send messages", "tools")
+    return spec
 
 
 def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
@@ -172,6 +197,7 @@ class ResponseBuilder:
         self.prompt_hidden_states: list | None = None
         self.routed_experts: list[list] = [[] for _ in range(count)]
         self.token_ids: list[list[int]] = [[] for _ in range(count)]
+        self.tool_calls: list[list[dict]] = [[] for _ in range(count)]  # streaming: deltas; else whole calls
         if not request.stream and not request.exclude_input_in_output and isinstance(request.prompt, str):
             self.texts = [request.prompt] * count
 
@@ -183,6 +209,7 @@ class ResponseBuilder:
             self.hidden_states = [[] for _ in range(count)]
             self.routed_experts = [[] for _ in range(count)]
             self.token_ids = [[] for _ in range(count)]
+            self.tool_calls = [[] for _ in range(count)]
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = [_logprob_entry(lp) for lp in output.prompt_logprobs]
         if output.prompt_token_ids is not None:
@@ -196,6 +223,10 @@ class ResponseBuilder:
             self.hidden_states[i].extend(row.tolist() for row in delta.hidden_states)
             self.routed_experts[i].extend(experts.tolist() for experts in delta.routed_experts)
             self.token_ids[i].extend(delta.token_ids)
+            if self.request.stream:
+                self.tool_calls[i].extend(delta.tool_calls)
+            else:
+                merge_tool_call_deltas(self.tool_calls[i], delta.tool_calls)
             self.cumulative_logprobs[i] = delta.cumulative_logprob
             self.num_output_tokens[i] = delta.num_output_tokens
             self.finish_reasons[i] = delta.finish_reason or RUNNING
@@ -235,6 +266,9 @@ class ResponseBuilder:
         if self.prompt_hidden_states is not None:
             tensors["prompt_hidden_states"] = np.array([json.dumps(self.prompt_hidden_states).encode()],
                                                        dtype=np.object_)
+        tools = self.request.options.tools
+        if tools is not None and tools.constrained:
+            tensors["tool_calls"] = strings([json.dumps(calls) for calls in self.tool_calls])
         if "token_ids" in wanted:
             tensors["token_ids"] = strings([json.dumps(ids) for ids in self.token_ids])
         if "prompt_token_ids" in wanted and self.prompt_token_ids is not None:

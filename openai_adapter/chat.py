@@ -13,7 +13,10 @@ from openai_adapter.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    CompletionChoice,
     CompletionResponse,
+    ToolCall,
+    ToolCallDelta,
 )
 
 
@@ -37,7 +40,7 @@ class ChatService:
             choices=[
                 ChatCompletionChoice(
                     index=choice.index,
-                    message=AssistantMessage(role=request.response_role(), content=choice.text),
+                    message=_message(choice, request),
                     logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,
                     finish_reason=choice.finish_reason,
                     matched_stop=choice.matched_stop,
@@ -58,6 +61,14 @@ class ChatService:
             yield _chat_chunk(chunk, started, request)
 
 
+def _message(choice: CompletionChoice, request: ChatCompletionRequest) -> AssistantMessage:
+    """OpenAI's answer: content null when the answer is tool calls only."""
+    if not choice.tool_calls:
+        return AssistantMessage(role=request.response_role(), content=choice.text)
+    return AssistantMessage(role=request.response_role(), content=choice.text or None,
+                            tool_calls=[ToolCall.model_validate(call) for call in choice.tool_calls])
+
+
 def _chat_chunk(chunk: CompletionResponse, started: set[int], request: ChatCompletionRequest) -> ChatCompletionChunk:
     """One completion chunk as a chat chunk; `started` holds the choices that have had their first chunk."""
     # vLLM's shape: the conversation's token ids once, in the stream's first chunk
@@ -70,8 +81,10 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int], request: ChatCompl
             ChatChunkChoice(
                 index=choice.index,
                 # SGLang streams hidden states in the delta (of a chunk of their own)
-                delta=ChatDelta(role=request.response_role() if first else None, content=choice.text,
-                                hidden_states=choice.hidden_states),
+                delta=ChatDelta(role=request.response_role() if first else None,
+                                content=None if choice.tool_calls and not choice.text else choice.text,
+                                tool_calls=[ToolCallDelta.model_validate(delta) for delta in choice.tool_calls]
+                                or None, hidden_states=choice.hidden_states),
                 logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,
                 finish_reason=choice.finish_reason,
                 matched_stop=choice.matched_stop,

@@ -96,6 +96,7 @@ class _ChoiceState:
         self._hidden_states: list[list[float]] | None = [] if request.return_hidden_states else None
         self._routed_experts: list[list[list[int]]] | None = [] if request.return_routed_experts else None
         self._token_ids: list[int] | None = [] if request.return_token_ids else None
+        self._tool_calls: list[dict] = []  # whole calls (a non-streamed response has them all)
         self.prompt_token_ids: list[int] | None = None
         self._unsent_prompt_token_ids = False
 
@@ -132,16 +133,18 @@ class _ChoiceState:
             self._token_ids.extend(token_ids)
         prompt_token_ids = self.prompt_token_ids if self._unsent_prompt_token_ids else None
         self._text_parts.append(text)
+        self._tool_calls.extend(output.tool_calls)
         self.finish_reason = output.finish_reason
         self.matched_stop = output.matched_stop
         self.num_output_tokens += output.num_output_tokens or 0
         logprobs = self._logprobs.add(entries) if self._logprobs else None
-        if not (text or entries or routed_experts or token_ids or prompt_token_ids) and self.finish_reason is None:
+        if not (text or entries or routed_experts or token_ids or prompt_token_ids or output.tool_calls) \
+                and self.finish_reason is None:
             return None
         self._unsent_prompt_token_ids = False
         return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
                                 matched_stop=self.matched_stop, routed_experts=routed_experts, token_ids=token_ids,
-                                prompt_token_ids=prompt_token_ids)
+                                prompt_token_ids=prompt_token_ids, tool_calls=output.tool_calls)
 
     def hidden_states_chunk(self) -> CompletionChoice | None:
         """SGLang's stream shape: a choice's hidden states come once its text has ended, in a chunk of their own
@@ -162,6 +165,7 @@ class _ChoiceState:
             routed_experts=self._routed_experts,
             token_ids=self._token_ids,
             prompt_token_ids=self.prompt_token_ids,
+            tool_calls=self._tool_calls,
         )
 
 

@@ -22,7 +22,9 @@ from pydantic import (
 )
 
 from backend.interface.parameters import CONSTRAINTS, MAX_TOKEN_ID, PARAMETERS, Parameter
+from backend.interface.errors import InvalidRequest
 from backend.interface.tensors import CHAT_ROLES, chat_template_conflict, message_text
+from backend.interface.tools import parse_tool_choice, parse_tools, template_message
 from openai_adapter.errors import from_validation_error, invalid_request
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -338,20 +340,27 @@ ChatRole = Literal[CHAT_ROLES]
 
 class ChatMessage(BaseModel):
     role: ChatRole
-    content: str | list[dict[str, Any]]
-    """A string, or OpenAI's list of content parts: their texts are concatenated (other part types are 400)."""
+    content: str | list[dict[str, Any]] | None = None
+    """A string, or OpenAI's list of content parts: their texts are concatenated (other part types are 400); only
+    an assistant message with tool_calls may leave it out."""
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant's calls: OpenAI's {id, type: function, function: {name, arguments (a JSON string)}}."""
+    tool_call_id: str | None = None
+    """A tool message's: the call it answers."""
 
     @field_validator("content")
     @classmethod
-    def _text_of_parts(cls, content: str | list[dict[str, Any]]) -> str:
-        return message_text(content)
+    def _text_of_parts(cls, content: str | list[dict[str, Any]] | None) -> str | None:
+        return None if content is None else message_text(content)
+
+    def check(self, index: int) -> None:
+        """The engine's rules of a message (backend/interface/tools.py)."""
+        template_message(self.model_dump(exclude_none=True), index, message_text)
 
 
 class NotYetSupportedChatParameters(BaseModel):
     """Chat parameters the engine does not implement yet; refused unless neutral, like NotYetSupportedParameters."""
 
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated spelling of tools
     function_call: str | dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's own template per request: the engine renders the model's
@@ -408,14 +417,58 @@ class ChatMessages(BaseModel):
             ) from None
         if not messages:
             raise ValueError("messages must not be empty")
+        for index, message in enumerate(messages):
+            message.check(index)
         return messages
 
     def conversation(self) -> list[dict]:
         """The messages as the engine's `messages` input takes them."""
-        return [message.model_dump() for message in self.messages]
+        return [message.model_dump(exclude_none=True) for message in self.messages]
 
 
-class ChatCompletionRequest(SamplingRequest, ChatMessages, NotYetSupportedChatParameters):
+class ToolParameters(BaseModel):
+    """Tool calling (backend/interface/tools.py has the rules; the engine constrains and parses the calls)."""
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """none, auto (the default with tools), required, or {"type": "function", "function": {"name": ...}}."""
+    parallel_tool_calls: bool = True
+    """Whether one answer may hold several calls (auto, required)."""
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return None if tools is None else _checked(parse_tools, tools)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, tool_choice: str | dict[str, Any] | None,
+                           info: ValidationInfo) -> str | dict[str, Any] | None:
+        if "tools" in info.data:  # (else tools failed already)
+            _checked(parse_tool_choice, tool_choice, info.data["tools"])
+        return tool_choice
+
+    def tool_inputs(self) -> dict[str, bool | str]:
+        """The engine's TOOL_INPUTS (backend/interface/tensors.py)."""
+        if self.tools is None:
+            return {}
+        inputs: dict[str, bool | str] = {"tools": json.dumps(self.tools),
+                                         "parallel_tool_calls": self.parallel_tool_calls}
+        if self.tool_choice is not None:
+            inputs["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) \
+                else json.dumps(self.tool_choice)
+        return inputs
+
+
+def _checked(rule, *arguments):
+    """An interface rule's InvalidRequest as a validation error of the field."""
+    try:
+        return rule(*arguments)
+    except InvalidRequest as error:
+        raise ValueError(error.message) from None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatMessages, ToolParameters, NotYetSupportedChatParameters):
     """Body of POST /v1/chat/completions. The engine renders the messages with the model's chat template."""
 
     max_tokens: int | None = engine_field("max_tokens", None)
@@ -449,6 +502,9 @@ class ChatCompletionRequest(SamplingRequest, ChatMessages, NotYetSupportedChatPa
         if engine_field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
         return engine_field
+
+    def prompt_options(self) -> dict[str, bool | str]:
+        return super().prompt_options() | self.tool_inputs()
 
     def prompts(self) -> list[list[dict]]:
         """One prompt: the conversation, which the engine renders."""
@@ -485,13 +541,16 @@ class TokenizeCompletionRequest(BaseModel):
         return {"add_special_tokens": self.add_special_tokens}
 
 
-class TokenizeChatRequest(ChatMessages):
-    """Body of POST /tokenize with chat messages (vLLM's): the rendered conversation's tokens."""
+class TokenizeChatRequest(ChatMessages, ToolParameters):
+    """Body of POST /tokenize with chat messages (vLLM's): the rendered conversation's tokens (tools included)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     return_token_strs: bool = False
+
+    def prompt_options(self) -> dict[str, bool | str]:
+        return super().prompt_options() | self.tool_inputs()
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
@@ -614,6 +673,8 @@ class CompletionChoice(_WithHiddenStates):
     routed_experts: list[list[list[int]]] | None = Field(None, exclude=True)
     """The choice's [MoE layers][top_k] expert ids per token, when requested: the response carries them in
     `sglext.routed_experts`, not in the choice."""
+    tool_calls: list[dict] | None = Field(None, exclude=True)
+    """Chat with tools: the choice's tool calls (a stream chunk: their deltas), for chat.py to reshape."""
 
 
 class PromptTokensDetails(BaseModel):
@@ -683,10 +744,28 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+    """JSON text that validates against the function's parameters schema (constrained decoding)."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: ChatRole = "assistant"
     """The final message's role when it is continued (add_generation_prompt false), as vLLM."""
-    content: str
+    content: str | None
+    """None when the answer is tool calls only (OpenAI's shape)."""
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_calls(self, handler) -> dict:
+        return {name: value for name, value in handler(self).items() if value is not None or name != "tool_calls"}
 
 
 class ChatCompletionChoice(_WithHiddenStates):
@@ -710,17 +789,32 @@ class ChatCompletionResponse(_ChatResponseBase):
     choices: list[ChatCompletionChoice]
 
 
+class ToolCallDelta(BaseModel):
+    """OpenAI's streamed piece of a call: its first has the id, type and name, later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str]
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_fields(self, handler) -> dict:
+        return {name: value for name, value in handler(self).items() if value is not None}
+
+
 class ChatDelta(BaseModel):
     role: ChatRole | None = None
     """Only in a choice's first chunk."""
-    content: str
+    content: str | None
+    """None in a chunk that carries only tool calls."""
+    tool_calls: list[ToolCallDelta] | None = None
     hidden_states: list[list[float]] | None = None
     """SGLang extension: the choice's hidden states, in a chunk of their own after its text."""
 
     @model_serializer(mode="wrap")
     def _omit_absent_fields(self, handler) -> dict:
         return {name: value for name, value in handler(self).items()
-                if value is not None or name not in ("role", "hidden_states")}
+                if value is not None or name not in ("role", "hidden_states", "tool_calls")}
 
 
 class ChatChunkChoice(_WithExtensions):

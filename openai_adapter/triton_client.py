@@ -70,6 +70,8 @@ class ChoiceOutput:
     """[MoE layers][top_k] expert ids of each new token; empty unless return_routed_experts was requested."""
     token_ids: list[int] = field(default_factory=list)
     """The new tokens' ids; empty unless return_token_ids was requested."""
+    tool_calls: list[dict] = field(default_factory=list)
+    """With tools: OpenAI's tool calls (streaming: their deltas), parsed by the engine."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,8 @@ class GenerateRequest:
     return_token_ids: bool = False
     """The new tokens' ids per choice, and the prompt's once."""
     prompt_options: dict[str, bool | str] = field(default_factory=dict)
-    """PROMPT_OPTIONS inputs (backend/interface/tensors.py) by name, a bool for a BOOL input, a string for a STRING
-    one; an absent one keeps the engine's default."""
+    """PROMPT_OPTIONS and TOOL_INPUTS inputs (backend/interface/tensors.py) by name, a bool for a BOOL input, a
+    string for a STRING one; an absent one keeps the engine's default."""
 
 
 @dataclass(frozen=True)
@@ -281,14 +283,15 @@ def _parse_response(result: InferResult) -> TritonChunk:
     prompt_hidden_states = _strings(result, "prompt_hidden_states")
     routed_experts = [json.loads(rows) for rows in _strings(result, "routed_experts")] or [[]] * count
     token_ids = [json.loads(ids) for ids in _strings(result, "token_ids")] or [[]] * count
+    tool_calls = [json.loads(calls) for calls in _strings(result, "tool_calls")] or [[]] * count
     prompt_token_ids = result.as_numpy("prompt_token_ids")
     return TritonChunk(
         choices=[
             ChoiceOutput(text, None if finish_reason == RUNNING else finish_reason, entries, tokens, matched_stop,
-                         hidden, routed, ids)
-            for text, finish_reason, entries, tokens, matched_stop, hidden, routed, ids in zip(
+                         hidden, routed, ids, calls)
+            for text, finish_reason, entries, tokens, matched_stop, hidden, routed, ids, calls in zip(
                 texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states, routed_experts,
-                token_ids
+                token_ids, tool_calls
             )
         ],
         num_input_tokens=num_input_tokens[0] if num_input_tokens else None,

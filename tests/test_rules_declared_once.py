@@ -209,7 +209,7 @@ def test_best_of_cannot_be_streamed_on_either_side():
 
 @pytest.mark.parametrize("role", [*tensors.CHAT_ROLES, "wizard"])
 def test_chat_roles_agree(role):
-    messages = [{"role": role, "content": "Hi"}]
+    messages = [{"role": role, "content": "Hi", **({"tool_call_id": "call_1"} if role == "tool" else {})}]
     try:
         ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
         adapter_ok = True

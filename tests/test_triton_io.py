@@ -119,7 +119,7 @@ def test_parse_messages_keeps_role_and_content_only():
     ({"messages": np.array([b"not json"], dtype=np.object_)}, "not valid JSON"),
     ({"messages": _messages_input([])}, "non-empty JSON list"),
     ({"messages": _messages_input([{"role": "wizard", "content": "a"}])}, "messages[0]"),
-    ({"messages": _messages_input([{"role": "user", "content": None}])}, "string or a list of content parts"),
+    ({"messages": _messages_input([{"role": "user", "content": None}])}, "needs a content"),
     ({"messages": _messages_input([{"role": "user", "content": [{"type": "image_url"}]}])}, "'image_url' are not"),
     ({**inputs(), "messages": _messages_input([{"role": "user", "content": "a"}])}, "exactly one of"),
 ])

@@ -7,12 +7,15 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_log
                 "return_prompt_token_ids")  # each adds the output of its name without "return_"
 PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 """How the prompt becomes tokens (vLLM's names): BOOL inputs, but chat_template_kwargs (a JSON object)."""
+TOOL_INPUTS = ("tools", "tool_choice", "parallel_tool_calls")
+"""messages: OpenAI's tools (a JSON list), tool_choice (none, auto, required, or a JSON object naming a function),
+parallel_tool_calls (BOOL): see backend/interface/tools.py."""
 INPUTS = PROMPT_INPUTS + ("stream", "sampling_parameters", "exclude_input_in_output") + RETURN_FLAGS + \
-    PROMPT_OPTIONS + ("tokenize_only",)
+    PROMPT_OPTIONS + TOOL_INPUTS + ("tokenize_only",)
 
 OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
            "num_cached_tokens", "matched_stop", "prompt_logprobs", "hidden_states", "prompt_hidden_states",
-           "routed_experts", "token_ids", "prompt_token_ids", "prompt_token_strs", "max_model_len")
+           "routed_experts", "token_ids", "prompt_token_ids", "prompt_token_strs", "max_model_len", "tool_calls")
 TOKENIZE_OUTPUTS = ("text_output", "prompt_token_ids", "prompt_token_strs", "num_input_tokens", "max_model_len")
 """The one response of a `tokenize_only` request: the prompt's text and tokens, nothing generated."""
 

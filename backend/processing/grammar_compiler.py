@@ -24,8 +24,8 @@ from backend.processing.structural_tag_format import structural_tag_format_gramm
 log = logging.getLogger(__name__)
 
 # llguidance's grammar formats for the text constraints (json_schema compiles with options of its own).
-# "grammar" takes Lark or GBNF syntax.
-_FORMATS = {"regex": "regex", "ebnf": "grammar"}
+# "grammar" takes Lark or GBNF syntax; "tools" is the Lark grammar of a request's tool calls (tool_calls.py).
+_FORMATS = {"regex": "regex", "ebnf": "grammar", "tools": "grammar"}
 # Compact JSON (", " and ": " separators, no free whitespace): a small model given free whitespace may spend its
 # token budget on blank lines.
 _JSON_OPTIONS = {"whitespace_flexible": False}

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llguidance import LLMatcher
 from transformers import AutoTokenizer
 
 from backend.config import EngineConfig
@@ -20,9 +21,11 @@ from backend.engine.sequence import CoreRequest
 from backend.engine.structured_output import allowed_tokens_bitmask
 from backend.interface.errors import InvalidRequest
 from backend.interface.parameters import SamplingParams
+from backend.interface.tools import NO_PARAMETERS, ToolSpec
 from backend.layers.lora import LoraAdapter
 from backend.processing.grammar_compiler import GrammarCompiler
 from backend.processing.lora_files import AdapterDirectory
+from backend.processing.tool_calls import HERMES_TEMPLATE, tool_call_lark
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class PromptOptions:
     """Chat: leave the final message open (no end-of-turn), for the model to continue it."""
     chat_template_kwargs: dict = field(default_factory=dict)
     """Chat: extra variables for the template (e.g. a model's `enable_thinking`)."""
+    tools: ToolSpec | None = None
+    """Chat: the tools the template shows the model, and how it may call them (the call grammar)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class InputProcessor:
         self.adapters = AdapterDirectory(config.lora_dir, limits.arch, config.max_lora_rank) if config.lora_dir \
             else None
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # recently used adapters, read once
+        self._own_template_renders_tools: bool | None = None  # found out on the first request with tools
 
     def process(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
                 options: PromptOptions = PromptOptions()) -> CoreRequest:
@@ -93,7 +99,8 @@ class InputProcessor:
         self._check_token_ids(params)
         self._check_extensions(params, prompt_len, max_tokens)
         lora = self._adapter(params.lora_path)
-        grammar = None if params.constraint is None else self.grammars.compile(*params.constraint)
+        constraint = self._tool_constraint(options.tools, params) or params.constraint
+        grammar = None if constraint is None else self.grammars.compile(*constraint)
         allowed = allowed_tokens_bitmask(params.allowed_token_ids, self.limits.vocab_size) \
             if params.allowed_token_ids else None
         return CoreRequest(request_id, prompt_token_ids, params, max_tokens, lora, grammar, allowed)
@@ -134,9 +141,50 @@ class InputProcessor:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message, tokenize=False,
-                **options.chat_template_kwargs)
+                **self._template_arguments(messages, options.tools), **options.chat_template_kwargs)
         except Exception as error:  # templates may raise on their own, e.g. on an unexpected role order
             raise InvalidRequest(f"the chat template rejected the messages: {error}") from None
+
+    def _template_arguments(self, messages: list[dict], tools: ToolSpec | None) -> dict:
+        """The tools for the template, and the shipped Hermes template in place of the model's own when that
+        renders no tools (and the conversation has tools, calls or their results)."""
+        arguments = {} if tools is None else {"tools": tools.tools}
+        with_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if with_tools and not self._renders_tools():
+            arguments["chat_template"] = HERMES_TEMPLATE
+        return arguments
+
+    def _renders_tools(self) -> bool:
+        """Whether the model's own chat template renders tools: a probe tool's name shows in its rendering."""
+        if self._own_template_renders_tools is None:
+            probe = [{"type": "function", "function": {"name": "tritonllm_probe_tool", "parameters": NO_PARAMETERS}}]
+            try:
+                self._own_template_renders_tools = "tritonllm_probe_tool" in self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "hi"}], tools=probe, tokenize=False)
+            except Exception:  # a template that fails on the probe cannot render tools either
+                self._own_template_renders_tools = False
+        return self._own_template_renders_tools
+
+    def _tool_constraint(self, tools: ToolSpec | None, params: SamplingParams) -> tuple[str, str] | None:
+        """The tool-call grammar of a request whose tool_choice lets the model call tools (each function's
+        parameters schema checked on its own first, so an error names the tool)."""
+        if tools is None or not tools.constrained:
+            return None
+        if params.constraint is not None:
+            raise InvalidRequest(f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot be "
+                                 f"combined with {params.constraint[0]} (set tool_choice to none)", "tool_choice")
+        for index, tool in enumerate(tools.tools):
+            schema = tool["function"].get("parameters") or NO_PARAMETERS
+            try:
+                is_error, messages = LLMatcher.validate_grammar_with_warnings(
+                    LLMatcher.grammar_from_json_schema(schema))
+                error = messages[0] if is_error else None
+            except ValueError as exc:
+                error = str(exc)
+            if error:
+                raise InvalidRequest(f"tools[{index}].function.parameters is not a usable JSON schema: {error}",
+                                     "tools")
+        return "tools", tool_call_lark(tools)
 
     def _rendering_arguments(self) -> set[str]:
         """apply_chat_template's own parameters: chat_template_kwargs must not override them (e.g. tokenize)."""

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 from backend.engine.sequence import CoreOutput, SampledToken, SequenceUpdate
 from backend.interface.parameters import SamplingParams
+from backend.interface.tools import ToolSpec
 from backend.processing.detokenizer import IncrementalDetokenizer
 from backend.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+from backend.processing.tool_calls import ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class _Choice:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_hidden_states: list = field(default_factory=list)
     pending_routed_experts: list = field(default_factory=list)
+    tool_calls: ToolCallParser | None = None  # when the request's tools may be called: its text holds calls
 
 
 @dataclass
@@ -65,8 +68,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        choices = [_Choice(i, IncrementalDetokenizer(prompt_token_ids, params.skip_special_tokens))
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    tools: ToolSpec | None = None) -> None:
+        parse_calls = tools is not None and tools.constrained
+        choices = [_Choice(i, IncrementalDetokenizer(prompt_token_ids, params.skip_special_tokens),
+                           tool_calls=ToolCallParser() if parse_calls else None)
                    for i in range(params.num_sequences)]
         self.requests[request_id] = _RequestState(params, prompt_token_ids, choices)
 
@@ -181,15 +187,21 @@ class OutputProcessor:
             len(text) - held_back_length(text, params.stop, params.stop_patterns, choice.num_sent_chars)
         end = max(end, choice.num_sent_chars)
         new_text = text[choice.num_sent_chars:end]
-        if not (new_text or choice.pending_logprobs or choice.pending_hidden_states or choice.pending_routed_experts
-                or finished):
-            return None  # (its new tokens go with the next delta)
         choice.num_sent_chars = end
+        finish_reason, tool_calls = choice.finish_reason, []
+        if choice.tool_calls is not None:  # the text's calls become tool-call deltas, the rest content
+            new_text, tool_calls = choice.tool_calls.feed(new_text, finished)
+            if finish_reason == "stop" and choice.tool_calls.calls:
+                finish_reason = "tool_calls"
+        if not (new_text or tool_calls or choice.pending_logprobs or choice.pending_hidden_states
+                or choice.pending_routed_experts or finished):
+            return None  # (its new tokens go with the next delta)
         delta = ChoiceDelta(
             index=choice.index, text=new_text, token_ids=choice.pending_token_ids, logprobs=choice.pending_logprobs,
             cumulative_logprob=choice.cumulative_logprob, num_output_tokens=choice.num_output_tokens,
-            finish_reason=choice.finish_reason, matched_stop=choice.matched_stop,
-            hidden_states=choice.pending_hidden_states, routed_experts=choice.pending_routed_experts)
+            finish_reason=finish_reason, matched_stop=choice.matched_stop,
+            hidden_states=choice.pending_hidden_states, routed_experts=choice.pending_routed_experts,
+            tool_calls=tool_calls)
         choice.pending_token_ids, choice.pending_logprobs = [], []
         choice.pending_hidden_states, choice.pending_routed_experts = [], []
         return delta

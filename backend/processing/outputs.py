@@ -30,6 +30,7 @@ class ChoiceDelta:
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # [hidden] per new token, when asked for
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [MoE layers, top_k] per new token, likewise
     token_ids: list[int] = field(default_factory=list)  # the new tokens (a trimmed stop token included)
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI's tool-call deltas of the new text (tool_calls.py)
 
 
 @dataclass
