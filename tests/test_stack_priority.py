@@ -17,7 +17,7 @@ from stack_helpers import Stack, grpc_generate, metric, running_stack, wait_unti
 
 MAX_NUM_SEQS = 2
 LOW_STREAMS = 4  # two run, two wait
-LOW_TOKENS = 160
+LOW_TOKENS = 48
 LOW_PRIORITY, HIGH_PRIORITY = 10, -1
 PROMPT = "Tell me a long story about the sea."
 
@@ -30,7 +30,7 @@ def priority_stack(default_model_dir, tmp_path_factory) -> Iterator[Stack]:
 
 
 def _sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=600)
 
 
 class _Stream:
@@ -59,7 +59,7 @@ class _Stream:
             self.error = exc
 
     def join(self) -> None:
-        self.thread.join(timeout=300)
+        self.thread.join(timeout=600)
         assert not self.thread.is_alive() and self.error is None, self.error
 
 
