@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from backend.interface import settings
 from backend.interface.settings import setting
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # backend/engine/scheduler.py says what each does
 WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4")  # backend/layers/linear.py says what each is
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -40,6 +41,9 @@ class EngineConfig:
     block_size: int = setting(16, "tokens per KV cache block")
     max_num_seqs: int = setting(64, "sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")
+    scheduling_policy: str = setting("fcfs", "fcfs: first come, first served; priority: by each request's priority "
+                                             "(lower first, then arrival), preempting lower-priority running "
+                                             "sequences for a waiting one (vLLM's)", choices=SCHEDULING_POLICIES)
     max_queue_len: int = setting(256, "waiting requests before new ones are refused")
     max_step_failures: int = setting(3, "engine steps failing in a row after which the engine is dead: it refuses "
                                         "all requests and reports unhealthy (a persistent fault)")

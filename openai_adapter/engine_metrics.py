@@ -1,6 +1,7 @@
 """The engines' own metrics, read from tritonserver's metrics endpoint: one reading per engine instance (label
-`instance`). The adapter relays their load on its /metrics under the engines' names, and serves it at /v1/loads
-in SGLang's shape, which SMG polls on workers it does not recognise (load-aware policies, overload protection)."""
+`instance`). The adapter relays them on its /metrics under the engines' names (one scrape target for dashboards:
+deploy/prometheus), and serves their load at /v1/loads in SGLang's shape, which SMG polls on workers it does not
+recognise (load-aware policies, overload protection)."""
 
 import asyncio
 import time
@@ -10,14 +11,14 @@ from collections import defaultdict
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.interface.metric_names import GAUGES
+from backend.interface.metric_names import ALL_NAMES, GAUGES
 
 _METRICS_TIMEOUT_S = 2.0
 
 RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_HIT_RATE, ENGINE_DEAD = (
     GAUGES[key][0] for key in ("running", "waiting", "kv_cache_usage", "prefix_cache_hit_rate", "is_dead"))
-RELAYED = (RUNNING, WAITING, KV_CACHE_USAGE)
-"""The load gauges the adapter's /metrics repeats, per engine instance: stable names for dashboards and gateways."""
+LOAD = (RUNNING, WAITING, KV_CACHE_USAGE)
+"""The load gauges, per engine instance, that /v1/loads reports."""
 
 
 async def read_engine_metrics(metrics_url: str) -> list[Metric]:
@@ -31,7 +32,10 @@ async def read_engine_metrics(metrics_url: str) -> list[Metric]:
 
 
 def relayed(families: list[Metric]) -> list[Metric]:
-    return [family for family in families if family.name in RELAYED]
+    """The engine's own families (not tritonserver's nv_* ones). The parser names a counter family without its
+    `_total`."""
+    return [family for family in families
+            if family.name in ALL_NAMES or (family.type == "counter" and f"{family.name}_total" in ALL_NAMES)]
 
 
 def dead_instances(families: list[Metric]) -> list[str]:
@@ -44,7 +48,7 @@ def sglang_loads(families: list[Metric]) -> dict:
     """SGLang's /v1/loads answer: one entry ("DP rank") per engine instance, in instance-name order."""
     gauges: dict[str, dict[str, float]] = defaultdict(dict)  # instance → metric name → value
     for family in families:
-        if family.name in (*RELAYED, PREFIX_CACHE_HIT_RATE):
+        if family.name in (*LOAD, PREFIX_CACHE_HIT_RATE):
             for sample in family.samples:
                 gauges[sample.labels.get("instance", "")][family.name] = sample.value
     loads = [

@@ -130,7 +130,6 @@ class NotYetSupportedParameters(BaseModel):
     guided_whitespace_pattern: str | None = None
     logits_processors: list[Any] | None = None
     custom_logit_processor: str | None = None  # SGLang's
-    priority: int = 0  # vLLM and SGLang refuse other priorities without priority scheduling too
 
 
 class JsonSchemaFormat(BaseModel):

@@ -1,5 +1,5 @@
 """The adapter's /metrics: Prometheus text, open without the API key, counting requests by route and status, and
-relaying the engines' load gauges; /v1/loads: the same load in SGLang's shape, for gateways."""
+relaying the engines' own metrics; /v1/loads: the same load in SGLang's shape, for gateways."""
 
 from __future__ import annotations
 
@@ -66,6 +66,16 @@ tritonllm:kv_cache_usage{instance="llm_0_0",model="llm",version="1"} 0.5
 # TYPE tritonllm:prefix_cache_hit_rate gauge
 tritonllm:prefix_cache_hit_rate{instance="llm_0_1",model="llm",version="1"} 0.25
 tritonllm:prefix_cache_hit_rate{instance="llm_0_0",model="llm",version="1"} 0
+# HELP vllm:request_success_total Finished choices by finished_reason
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{finished_reason="stop",instance="llm_0_0",model="llm",version="1"} 4
+vllm:request_success_total{finished_reason="length",instance="llm_0_0",model="llm",version="1"} 2
+# HELP vllm:e2e_request_latency_seconds Time from arrival to the last response
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_count{instance="llm_0_0",model="llm",version="1"} 6
+vllm:e2e_request_latency_seconds_sum{instance="llm_0_0",model="llm",version="1"} 4.5
+vllm:e2e_request_latency_seconds_bucket{instance="llm_0_0",model="llm",version="1",le="1"} 5
+vllm:e2e_request_latency_seconds_bucket{instance="llm_0_0",model="llm",version="1",le="+Inf"} 6
 """
 
 
@@ -96,14 +106,23 @@ def _settings(metrics_url: str) -> AdapterSettings:
                            triton_metrics_url=metrics_url, request_timeout_s=5, health_timeout_s=0.5)
 
 
-def test_metrics_relay_the_engines_load_under_their_own_names():
+def test_metrics_relay_the_engines_own_metrics_under_their_own_names():
+    """Gauges, counters (with their labels) and histograms as the engines export them: one scrape target for
+    dashboards. tritonserver's own metrics are not the adapter's to repeat."""
     with _triton_metrics_endpoint(TRITON_METRICS) as url, TestClient(create_app(_settings(url))) as client:
         text = client.get("/metrics").text
-    for name, instance, value in [("tritonllm:num_requests_running", "llm_0_0", 3),
-                                  ("tritonllm:num_requests_waiting", "llm_0_0", 2),
-                                  ("tritonllm:kv_cache_usage", "llm_0_1", 0.125)]:
-        assert _sample(text, name, instance=instance, model="llm") == value
-    assert "nv_inference_count" not in text and "prefix_cache_hit_rate" not in text  # load only
+    for name, labels, value in [("tritonllm:num_requests_running", {"instance": "llm_0_0"}, 3),
+                                ("tritonllm:num_requests_waiting", {"instance": "llm_0_0"}, 2),
+                                ("tritonllm:kv_cache_usage", {"instance": "llm_0_1"}, 0.125),
+                                ("tritonllm:prefix_cache_hit_rate", {"instance": "llm_0_1"}, 0.25),
+                                ("vllm:request_success_total", {"finished_reason": "stop"}, 4),
+                                ("vllm:request_success_total", {"finished_reason": "length"}, 2),
+                                ("vllm:e2e_request_latency_seconds_count", {}, 6),
+                                ("vllm:e2e_request_latency_seconds_sum", {}, 4.5),
+                                ("vllm:e2e_request_latency_seconds_bucket", {"le": "1"}, 5)]:
+        assert _sample(text, name, model="llm", **labels) == value, name
+    assert "# TYPE vllm:e2e_request_latency_seconds histogram" in text
+    assert "nv_inference_count" not in text
 
 
 def test_loads_answer_in_sglangs_shape_one_entry_per_engine_instance():

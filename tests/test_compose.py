@@ -4,6 +4,7 @@ checked from the YAML always, and by `docker compose config` where the plugin ex
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from backend.interface.metric_names import ALL_NAMES
 from openai_adapter.settings import AdapterSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -108,9 +110,15 @@ def _builds(service: dict, dockerfile: Path) -> bool:
     return context == "." and name == dockerfile.name
 
 
+def _monitoring(service: dict) -> bool:
+    return "monitoring" in service.get("profiles", ())
+
+
 def test_every_service_runs_a_built_image_and_installs_nothing_at_start():
     for compose_file in (COMPOSE_FILE, SCALE_FILE):
         for name, service in _services(compose_file).items():
+            if _monitoring(service):  # upstream Prometheus and Grafana images (below)
+                continue
             assert "build" in service and re.fullmatch(r"\$\{TRITONLLM_\w*IMAGE:-tritonllm[\w-]*:[\w.]+\}",
                                                       service["image"]), name
             command = " ".join(service["command"])
@@ -147,6 +155,8 @@ def test_lora_dir_reaches_the_engine_and_the_adapter():
     read by `tritonllm write-repository`), the adapter lists it and reads which are loaded from Triton's metrics."""
     services = _services()
     for service in services.values():
+        if _monitoring(service):
+            continue
         assert any(re.match(r"\$\{LORA_DIR[:}].*:/adapters", volume) for volume in service["volumes"])
     assert services["triton"]["environment"]["TRITONLLM_LORA_DIR"] == "${LORA_DIR:+/adapters}"
     command = " ".join(services["adapter"]["command"])
@@ -188,3 +198,69 @@ def test_the_gateway_alone_is_published_and_routes_over_every_stack():
     stacks = _stacks()
     assert worker_urls.split(",") == [f"http://{name}:9000" for name in stacks]
     assert gateway["depends_on"] == {name: {"condition": "service_healthy"} for name in stacks}
+
+
+# --- the monitoring profile: Prometheus and Grafana -------------------------------------------------------------
+
+DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "tritonllm.json"
+
+
+def _mounted_sources(service: dict) -> list[Path]:
+    return [REPO_ROOT / volume.split(":")[0] for volume in service["volumes"]]
+
+
+def test_the_monitoring_profile_is_optional_and_mounts_files_that_exist():
+    services = _services()
+    monitoring = {name: service for name, service in services.items() if _monitoring(service)}
+    assert set(monitoring) == {"prometheus", "grafana"}  # a plain `docker compose up` starts neither
+    for name, service in monitoring.items():
+        assert re.fullmatch(r"(prom/prometheus|grafana/grafana):v?\d+\.\d+\.\d+", service["image"]), name  # pinned
+        for source in _mounted_sources(service):
+            assert source.exists(), f"{name} mounts {source}, which is missing"
+    grafana_mounts = dict(volume.split(":")[:2] for volume in monitoring["grafana"]["volumes"])
+    assert grafana_mounts["./deploy/grafana/dashboards"] == "/var/lib/grafana/dashboards"
+    provider = yaml.safe_load((REPO_ROOT / "deploy/grafana/provisioning/dashboards/tritonllm.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_prometheus_scrapes_the_adapters_metrics_keeping_the_engine_instance_label():
+    [mount] = _services()["prometheus"]["volumes"]
+    config = yaml.safe_load((REPO_ROOT / mount.split(":")[0]).read_text())
+    [job] = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics" and job["honor_labels"] is True
+    adapter_port = _services()["adapter"]["ports"][0].split(":")[1]
+    assert job["static_configs"][0]["targets"] == [f"adapter:{adapter_port}"]
+    datasource = yaml.safe_load((REPO_ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    [source] = datasource["datasources"]
+    assert source["url"] == "http://prometheus:9090" and source["uid"] == "tritonllm-prometheus"
+
+
+_PROMQL_SERIES = re.compile(r"\b([a-zA-Z_][a-zA-Z0-9_]*:[a-zA-Z0-9_:]+)")
+
+
+def _dashboard_panels() -> list[dict]:
+    return json.loads(DASHBOARD.read_text())["panels"]
+
+
+def test_the_dashboard_queries_only_metrics_the_server_exports():
+    """Every series a panel queries is an engine metric as metric_names declares it (a histogram's _bucket, _sum
+    and _count included); a renamed metric fails here, not silently on a blank panel."""
+    queried = set()
+    for panel in _dashboard_panels():
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "tritonllm-prometheus"
+            queried |= set(_PROMQL_SERIES.findall(target["expr"]))
+    families = {re.sub(r"_(bucket|sum|count)$", "", series) if series not in ALL_NAMES else series
+                for series in queried}
+    assert families and families <= ALL_NAMES, families - ALL_NAMES
+    assert {"vllm:request_success_total", "vllm:e2e_request_latency_seconds", "tritonllm:kv_cache_usage",
+            "tritonllm:prefix_cache_hit_rate", "tritonllm:time_to_first_token_seconds",
+            "tritonllm:inter_token_latency_seconds", "tritonllm:num_requests_waiting"} <= families
+
+
+def test_the_dashboard_has_the_operational_panels():
+    titles = " | ".join(panel["title"].lower() for panel in _dashboard_panels())
+    for topic in ("throughput", "time to first token", "inter-token", "queue", "kv cache", "prefix cache",
+                  "reason"):
+        assert topic in titles, topic

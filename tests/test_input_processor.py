@@ -8,6 +8,7 @@ import pytest
 from backend.config import EngineConfig
 from backend.engine.engine_core import ModelLimits
 from backend.interface.errors import InvalidRequest
+from backend.interface.parameters import SamplingParams
 from backend.processing.input_processor import InputProcessor, PromptOptions, load_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3,"}]
@@ -18,9 +19,9 @@ def tokenizer(default_model_dir):
     return load_tokenizer(default_model_dir)
 
 
-def _processor(tokenizer) -> InputProcessor:
+def _processor(tokenizer, config: EngineConfig = EngineConfig()) -> InputProcessor:
     limits = ModelLimits(name="m", vocab_size=len(tokenizer), max_model_len=64, capacity=64, is_moe=False, arch=None)
-    return InputProcessor(EngineConfig(), limits, tokenizer, grammars=None)
+    return InputProcessor(config, limits, tokenizer, grammars=None)
 
 
 class _BosTokenizer:
@@ -81,3 +82,14 @@ def test_chat_template_kwargs_are_template_variables_and_cannot_override_the_ren
     with pytest.raises(InvalidRequest) as refused:
         processor.tokenize(MESSAGES, PromptOptions(chat_template_kwargs={"tokenize": True}))
     assert refused.value.param == "chat_template_kwargs" and "tokenize" in refused.value.message
+
+
+def test_a_priority_is_refused_unless_the_server_schedules_by_priority(tokenizer):
+    """As vLLM: a non-default priority on a first-come-first-served server is a 400 naming it, not ignored."""
+    params = SamplingParams(priority=-1)
+    with pytest.raises(InvalidRequest) as refused:
+        _processor(tokenizer).process("r", "Hi", params)
+    assert refused.value.param == "priority" and "--scheduling-policy fcfs" in str(refused.value)
+    assert _processor(tokenizer).process("r", "Hi", SamplingParams()).params.priority == 0
+    by_priority = _processor(tokenizer, EngineConfig(scheduling_policy="priority"))
+    assert by_priority.process("r", "Hi", params).params.priority == -1

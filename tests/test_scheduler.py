@@ -1,5 +1,5 @@
 """Continuous batching without a model: the token budget, decodes before prefill chunks, FCFS admission,
-preemption by recompute and sequences waiting for a LoRA slot. Each step is the engine core's bookkeeping with
+preemption by recompute, sequences waiting for a LoRA slot, and the priority policy. Each step is the engine core's bookkeeping with
 the forward pass left out (core_fakes.step)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ BLOCK = 4
 
 
 def scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 16,
-              enable_prefix_caching: bool = True, lora_slots=None) -> Scheduler:
+              enable_prefix_caching: bool = True, lora_slots=None, policy: str = "fcfs") -> Scheduler:
     return Scheduler(BlockManager(num_blocks, BLOCK, enable_prefix_caching), max_num_seqs, max_num_batched_tokens,
-                     lora_slots)
+                     lora_slots, policy)
 
 
 def test_decodes_take_one_token_each_and_a_long_prompt_is_prefilled_in_chunks_of_what_is_left():
@@ -199,3 +199,115 @@ def test_num_waiting_requests_counts_requests_not_choices():
     sched.add(seq)
     sched.add(sibling)
     assert len(sched.waiting) == 2 and sched.num_waiting_requests() == 1
+
+
+# --- the priority policy ------------------------------------------------------------------------------------------
+
+def prioritized(priority: int, length: int, start: int, **params) -> Sequence:
+    return make_sequence(distinct_prompt(length, start=start), SamplingParams(priority=priority, **params))
+
+
+def test_priority_admits_lower_values_first_and_equal_ones_in_arrival_order():
+    sched = scheduler(max_num_seqs=1, policy="priority")
+    late_low, first_mid, high, second_mid = (prioritized(p, 2, start=100 + 10 * i) for i, p in enumerate((5, 1, -3, 1)))
+    for seq in (late_low, first_mid, high, second_mid):
+        sched.add(seq)
+    assert list(sched.waiting) == [high, first_mid, second_mid, late_low]
+    admitted = []
+    while sched.has_work():
+        scheduled = step(sched)
+        admitted += [seq for seq, num_new in planned(scheduled) if num_new == 2]
+        for seq in list(sched.running):
+            if seq.num_output_tokens == 2:
+                sched.finish(seq)
+    assert admitted == [high, first_mid, second_mid, late_low]
+    assert sched.num_preemptions == 0  # equal or worse priorities never preempt
+
+
+def test_fcfs_ignores_priorities():
+    sched = scheduler(max_num_seqs=1)
+    low, high = prioritized(5, 2, start=100), prioritized(0, 2, start=200)
+    sched.add(low)
+    sched.add(high)
+    assert planned(step(sched)) == [(low, 2)] and list(sched.waiting) == [high]
+
+
+def test_a_waiting_request_of_higher_priority_takes_the_slot_of_the_worst_running_sequence():
+    sched = scheduler(max_num_seqs=3, policy="priority")
+    running = [prioritized(p, 3, start=100 + 10 * i) for i, p in enumerate((1, 2, 2))]
+    for seq in running:
+        sched.add(seq)
+    step(sched)
+    same = prioritized(1, 3, start=200)  # as good as the best running one, not better than the worst: preempts
+    high = prioritized(0, 3, start=300)
+    sched.add(same)
+    sched.add(high)
+    # both 2s are worse than 0: the later one goes first; then `same` (1) is strictly better than the other 2
+    assert planned(step(sched)) == [(running[0], 1), (high, 3), (same, 3)]
+    assert sched.num_preemptions == 2 and sched.running == [high, running[0], same]
+    assert list(sched.waiting) == [running[1], running[2]]  # ranked: their tokens are kept for the recompute
+    assert all(seq.block_table == [] and seq.num_output_tokens == 1 for seq in running[1:])
+    equal = prioritized(1, 3, start=400)
+    sched.add(equal)  # ties and worse wait: nothing running has a worse priority than 1 now
+    assert planned(step(sched)) == [(high, 1), (running[0], 1), (same, 1)] and sched.num_preemptions == 2
+
+
+def test_a_higher_priority_request_preempts_for_kv_blocks_and_takes_the_budget_they_had_this_step():
+    sched = scheduler(num_blocks=6, max_num_batched_tokens=12, policy="priority", enable_prefix_caching=False)
+    low, long_low = prioritized(1, 4, start=100), prioritized(1, 12, start=200)
+    sched.add(low)
+    sched.add(long_low)
+    step(sched)  # low: 1 block + its first sample; long_low's first 8-token chunk: 2 blocks
+    assert sched.block_manager.num_free_blocks == 3 and long_low.num_computed_tokens == 8
+    high = prioritized(0, 16, start=300)  # 7 tokens of budget are left: 2 blocks, and 1 is free
+    sched.add(high)
+    # long_low was scheduled for its last 4 prompt tokens before high was considered: preempted, they go to high
+    assert planned(step(sched)) == [(low, 1), (high, 11)]
+    assert list(sched.waiting) == [long_low] and sched.num_preemptions == 1
+    assert long_low.num_computed_tokens == 0 and long_low.block_table == []
+
+
+def test_out_of_blocks_the_worst_ranked_running_sequence_is_preempted_not_the_newest():
+    sched = scheduler(num_blocks=4, max_num_batched_tokens=32, policy="priority")
+    low, high = prioritized(1, 7, start=100), prioritized(0, 7, start=200)
+    sched.add(low)
+    step(sched)
+    sched.add(high)
+    step(sched)  # high arrived last; both hold two blocks, the pool is full
+    step(sched)
+    # low's 9th token comes first in arrival but high ranks first: low needs no block this step, high does
+    assert planned(step(sched)) == [(high, 1)] and sched.running == [high] and list(sched.waiting) == [low]
+
+
+def test_preempted_low_priority_requests_resume_and_finish_with_every_token_and_block_back():
+    """A stream of high-priority arrivals into an engine full of low-priority choices (n=2, so siblings too): the
+    preempted ones are recomputed and finish with all their tokens; the pool ends whole."""
+    max_tokens = 12
+    sched = scheduler(num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16, policy="priority")
+    lows = []
+    for i in range(3):
+        first = prioritized(5, 6, start=100 + 20 * i, n=2)
+        lows += [first, Sequence(first.request, 1, first.generator)]
+        first.request.sequences.append(lows[-1])
+    for seq in lows:
+        sched.add(seq)
+    highs = [prioritized(0, 5, start=500 + 20 * i) for i in range(4)]
+    finished, high_waits = [], []
+    for tick in range(400):
+        if tick % 6 == 3 and highs:
+            high_waits.append([highs[0], 0])
+            sched.add(highs.pop(0))
+        scheduled = step(sched)
+        for entry in high_waits:
+            if entry[0].num_output_tokens == 0:
+                entry[1] += 1
+        for seq in list(sched.running):
+            if seq.num_output_tokens == max_tokens:
+                sched.finish(seq)
+                finished.append(seq)
+        if not sched.has_work() and not highs:
+            break
+    assert sched.num_preemptions > 0
+    assert len(finished) == 10 and all(seq.output_token_ids == [SAMPLED_TOKEN] * max_tokens for seq in finished)
+    assert all(waited <= 1 for _, waited in high_waits), high_waits  # each sampled its first token next step
+    assert sched.block_manager.num_free_blocks == 24 and not sched.running and not sched.waiting

@@ -80,7 +80,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.runner.lora_slots)
+                                   self.runner.lora_slots, config.scheduling_policy)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)
         # private to the thread that runs the core: other threads send messages (apply) and read stats()
         self._requests: dict[str, CoreRequest] = {}
@@ -120,6 +120,7 @@ class EngineCore:
                 generator.manual_seed(request.params.seed + index)
             request.sequences.append(Sequence(request, index, generator))
         self._requests[request.request_id] = request
+        request.queued_at = time.monotonic()
         self.num_prompt_tokens += len(request.prompt_token_ids)
         if request.grammar is not None:  # scheduled once compiled: a slow compile holds back this request alone
             self._compiling[request.request_id] = request
@@ -172,6 +173,10 @@ class EngineCore:
         if not scheduled:
             return outputs
         self._last_batch = describe_batch(scheduled)
+        now = time.monotonic()
+        for item in scheduled:
+            if item.seq.request.scheduled_at is None:
+                item.seq.request.scheduled_at = now
         result = self.runner.execute(scheduled)
         logits, sample_seqs = result.logits, result.sample_seqs
         failed: dict[str, Exception] = {}  # request id → what went wrong in its own bookkeeping
@@ -269,7 +274,7 @@ class EngineCore:
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
-        return CoreOutput(request_id, [], len(request.prompt_token_ids), 0, True, error=exc)
+        return CoreOutput(request_id, [], len(request.prompt_token_ids), 0, True, error=exc, times=request.times())
 
     def _record_prompt_logprobs(self, chunk: PromptLogits) -> None:
         seq = chunk.seq
@@ -306,7 +311,7 @@ class EngineCore:
             outputs.append(CoreOutput(
                 request.request_id, updates, len(request.prompt_token_ids),
                 min(seq.num_cached_tokens for seq in request.sequences), finished,
-                prompt_logprobs=prompt_logprobs, prompt_hidden_states=prompt_hidden_states))
+                prompt_logprobs=prompt_logprobs, prompt_hidden_states=prompt_hidden_states, times=request.times()))
         if finished:
             del self._requests[request.request_id]
 

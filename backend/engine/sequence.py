@@ -4,6 +4,7 @@ for them. No text here: tokenization and detokenization happen in backend/proces
 from __future__ import annotations
 
 import enum
+import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -12,6 +13,9 @@ import torch
 
 from backend.interface.parameters import SamplingParams
 from backend.layers.lora import LoraAdapter
+
+
+_arrivals = itertools.count()  # (next() is atomic: requests are made on Triton's threads)
 
 
 class SequenceStatus(enum.Enum):
@@ -42,10 +46,16 @@ class CoreRequest:
     sequences: list["Sequence"] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     prompt_hidden_states_sent: bool = False
+    arrival: int = field(default_factory=lambda: next(_arrivals))  # the order requests arrived in
+    queued_at: float | None = None  # time.monotonic() when the core received it
+    scheduled_at: float | None = None  # ... and first scheduled a sequence of it
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.sequences)
+
+    def times(self) -> "RequestTimes | None":
+        return None if self.queued_at is None else RequestTimes(self.queued_at, self.scheduled_at)
 
 
 class Sequence:
@@ -133,6 +143,16 @@ class SequenceUpdate:
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [MoE layers, top_k] per new token
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When the core received a request and first scheduled one of its sequences, by time.monotonic() (one clock
+    for every thread of the process): with the responder's own times of the outputs they make the queue, prefill
+    and decode times."""
+
+    queued: float
+    scheduled: float | None  # None while it has not been scheduled (or if it never was)
+
+
 @dataclass
 class CoreOutput:
     """One request's news from one engine step."""
@@ -145,3 +165,4 @@ class CoreOutput:
     error: Exception | None = None
     prompt_logprobs: list[SampledToken] | None = None  # of prompt positions 1.., once the prompt is processed
     prompt_hidden_states: torch.Tensor | None = None  # [prompt tokens, hidden], once likewise
+    times: RequestTimes | None = None  # None: the core never took the request (e.g. refused by a dead engine)

@@ -217,6 +217,8 @@ class SamplingParams:
     lora_path: str | None = parameter(None, "LoRA adapter: its name or a path inside the adapters directory")
     cache_salt: str | None = parameter(None, "requests share cached prompt prefixes only with requests of the "
                                        "same salt (vLLM's and SGLang's; e.g. one per tenant)")
+    priority: int = parameter(0, "scheduling priority (vLLM's): lower runs first, equal priorities in arrival order; "
+                              "non-zero only on a server with --scheduling-policy priority")
     return_hidden_states: bool = parameter(False, "each generated token's final hidden state (SGLang's)")
     return_prompt_hidden_states: bool = parameter(False, "each prompt token's final hidden state too (echo)")
     return_routed_experts: bool = parameter(False, "MoE models: each generated token's experts per layer "

@@ -85,6 +85,10 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
                 options: PromptOptions = PromptOptions()) -> CoreRequest:
         """Raises InvalidRequest (or NotFound, for an unknown adapter) naming what is wrong."""
+        if params.priority != 0 and self.config.scheduling_policy != "priority":  # as vLLM: not silently ignored
+            raise InvalidRequest(f"priority {params.priority} needs priority scheduling, and this server schedules "
+                                 f"first come, first served (--scheduling-policy {self.config.scheduling_policy})",
+                                 "priority")
         prompt_token_ids = self._tokenize(prompt, options)
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty")

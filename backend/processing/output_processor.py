@@ -91,15 +91,16 @@ class OutputProcessor:
             return None, []
         if output.error is not None:
             del self.requests[output.request_id]
-            return RequestOutput(output.request_id, [], output.num_prompt_tokens, 0, True, error=output.error), []
+            return RequestOutput(output.request_id, [], output.num_prompt_tokens, 0, True, error=output.error,
+                                 times=output.times), []
         try:
             return self._process(state, output)
         except Exception as exc:
             log.exception("request %s failed while processing its output", output.request_id)
             del self.requests[output.request_id]
             still_running = [c.index for c in state.choices if c.finish_reason is None]
-            return (RequestOutput(output.request_id, [], output.num_prompt_tokens, 0, True, error=exc),
-                    still_running)
+            return (RequestOutput(output.request_id, [], output.num_prompt_tokens, 0, True, error=exc,
+                                  times=output.times), still_running)
 
     def _process(self, state: _RequestState, output: CoreOutput) -> tuple[RequestOutput | None, list[int]]:
         stopped_here = []
@@ -127,7 +128,7 @@ class OutputProcessor:
         state.started = True
         return RequestOutput(output.request_id, choices, output.num_prompt_tokens, output.num_cached_tokens,
                              finished, prompt_token_ids=prompt_token_ids, prompt_logprobs=prompt_logprobs,
-                             prompt_hidden_states=output.prompt_hidden_states), stopped_here
+                             prompt_hidden_states=output.prompt_hidden_states, times=output.times), stopped_here
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:
         return TokenLogprob(sampled.token_id, self.token_text(sampled.token_id), sampled.logprob,

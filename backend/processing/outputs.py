@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.engine.sequence import RequestTimes
+
 
 @dataclass
 class TokenLogprob:
@@ -44,3 +46,4 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None  # in the request's first output
     prompt_logprobs: list[TokenLogprob] | None = None  # sent once, when the prompt has been processed
     prompt_hidden_states: torch.Tensor | None = None  # [prompt tokens, hidden], sent once likewise
+    times: RequestTimes | None = None  # the core's, for the metrics (None: the core never took the request)

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
 
@@ -31,7 +31,7 @@ from backend.llm_engine import EngineParts
 from backend.parent_death import watch_parent
 from backend.processing.outputs import RequestOutput
 from backend.triton_io import ResponseBuilder, parse_request, tokenized_tensors
-from backend.triton_metrics import EngineMetrics, LatencyTracker
+from backend.triton_metrics import EngineMetrics, RequestTracker
 
 log = logging.getLogger("tritonllm.model")
 
@@ -63,7 +63,7 @@ class _InFlight:
 
     sender: object  # pb_utils.InferenceResponseSender
     builder: ResponseBuilder
-    latency: LatencyTracker = field(default_factory=LatencyTracker)
+    tracker: RequestTracker
 
 
 class TritonPythonModel:
@@ -100,6 +100,7 @@ class TritonPythonModel:
         return None
 
     def _start(self, request):
+        arrived = time.monotonic()
         sender = request.get_response_sender()
         request_id = uuid.uuid4().hex
         try:
@@ -117,7 +118,8 @@ class TritonPythonModel:
             self.mailbox.put(lambda: self._send_final_error(sender, error))
             return
         # Registered before the core sees it: the mailbox is FIFO, so its outputs arrive after this.
-        entry = _InFlight(sender, ResponseBuilder(parsed))
+        entry = _InFlight(sender, ResponseBuilder(parsed), RequestTracker(
+            arrived, len(core_request.prompt_token_ids), core_request.params.num_sequences))
         self.mailbox.put(lambda: self._register(request_id, entry, core_request))
         try:
             self.core.submit(core_request)
@@ -163,8 +165,7 @@ class TritonPythonModel:
         entry = self.in_flight.get(output.request_id)
         if entry is None:  # already finished here (cancelled, or a failed send)
             return
-        if output.choices:
-            entry.latency.on_output(self.metrics)
+        entry.tracker.on_output(output, self.metrics)
         if output.error is not None:
             self._finish(output.request_id, output.error)
             return
@@ -177,6 +178,7 @@ class TritonPythonModel:
         response = _response(tensors)
         if output.finished:
             del self.in_flight[output.request_id]
+            entry.tracker.on_finished(self.metrics)
         try:
             entry.sender.send(response, flags=_FINAL if output.finished else 0)
         except Exception as exc:
@@ -189,7 +191,9 @@ class TritonPythonModel:
     def _finish(self, request_id: str, error: Exception):
         """End a request with an error response, its last."""
         self.outputs.abort(request_id)
-        self._send_final_error(self.in_flight.pop(request_id).sender, _triton_error(error))
+        entry = self.in_flight.pop(request_id)
+        entry.tracker.on_failed(self.metrics, error)
+        self._send_final_error(entry.sender, _triton_error(error))
 
     @staticmethod
     def _send_final(sender, tensors: dict):
