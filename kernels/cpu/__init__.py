@@ -56,8 +56,8 @@ def build(directory: Path) -> Path | None:
     if compiler is None:
         log.warning("no C compiler: the CPU runs the torch reference ops (slower)")
         return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_flags(), torch.__version__])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + "\n".join([" ".join(FLAGS), _cpu_flags(), torch.__version__])
+                         .encode()).hexdigest()[:16]  # bytes: the stub's locale may be ASCII
     target = directory / f"cpu_ops-{key}.so"
     if target.exists():
         return target
