@@ -217,11 +217,16 @@ def grpc_generate(stack, prompt: str, params: dict | str, stream: bool, **flags:
                   ) -> tuple[list, Exception | None]:
     """One request on its own gRPC stream: (responses carrying outputs, error or None). `flags` are more BOOL
     inputs (e.g. return_logprobs=True, exclude_input_in_output=False)."""
+    return grpc_stream(stack, _grpc_inputs(prompt, params, stream, flags))
+
+
+def grpc_stream(stack, inputs: list) -> tuple[list, Exception | None]:
+    """`inputs` as one request on its own gRPC stream: (responses carrying outputs, error or None)."""
     client = grpcclient.InferenceServerClient(stack.grpc_url)
     events: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer("llm", _grpc_inputs(prompt, params, stream, flags), enable_empty_final_response=True)
-    responses, error = [], None
+    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    responses = []
     try:
         while True:
             result, error = events.get(timeout=120)

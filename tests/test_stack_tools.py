@@ -6,7 +6,6 @@ temperature 1 from a 135M model beside other requests, parses and validates agai
 from __future__ import annotations
 
 import json
-import queue
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -15,6 +14,7 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
+from stack_helpers import grpc_stream
 from transformers import AutoTokenizer
 
 
@@ -218,37 +218,19 @@ def _tool_inputs(messages, tools, tool_choice: str, stream: bool) -> list:
             tensor("return_finish_reason", True, "BOOL")]
 
 
-def _triton_call(stack, inputs) -> tuple[list, Exception | None]:
-    client = grpcclient.InferenceServerClient(stack.grpc_url)
-    events: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
-    responses = []
-    try:
-        while True:
-            result, error = events.get(timeout=120)
-            if error is not None:
-                return responses, error
-            if result.as_numpy("text_output") is not None:
-                responses.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return responses, None
-    finally:
-        client.stop_stream()
-        client.close()
 
 
 def test_tritonclient_tools_inputs_and_tool_calls_output(stack):
     choice = json.dumps(named("search"))
-    (final,), error = _triton_call(stack, _tool_inputs(ASK, TOOLS, choice, stream=False))
+    (final,), error = grpc_stream(stack, _tool_inputs(ASK, TOOLS, choice, stream=False))
     assert error is None
     (call,) = json.loads(final.as_numpy("tool_calls")[0])
     assert call["function"]["name"] == "search" and final.as_numpy("finish_reason")[0] == b"tool_calls"
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS["search"])
     assert final.as_numpy("text_output")[0] == b""
-    responses, error = _triton_call(stack, _tool_inputs(ASK, TOOLS, choice, stream=True))
+    responses, error = grpc_stream(stack, _tool_inputs(ASK, TOOLS, choice, stream=True))
     deltas = [delta for response in responses for delta in json.loads(response.as_numpy("tool_calls")[0])]
     assert error is None and deltas[0]["function"]["name"] == "search" and "id" in deltas[0]
     assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]
-    _, error = _triton_call(stack, _tool_inputs(ASK, TOOLS, json.dumps(named("nowhere")), stream=False))
+    _, error = grpc_stream(stack, _tool_inputs(ASK, TOOLS, json.dumps(named("nowhere")), stream=False))
     assert "[invalid_request:tool_choice]" in str(error)
