@@ -129,3 +129,24 @@ def test_one_openmp_runtime_in_the_process():
     mapped = {Path(line.split()[-1]).resolve() for line in Path("/proc/self/maps").read_text().splitlines()
               if "libgomp" in line or "libiomp" in line}
     assert len(mapped) == 1, mapped
+
+
+def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir):
+    """The default model with int4 weights decodes through llama_decode; the same requests op by op give the same
+    hidden states, to the bit (and so the same tokens), for a batch of sequences at different lengths."""
+    from backend.config import EngineConfig
+    from backend.interface.parameters import SamplingParams
+    from backend.llm_engine import LLMEngine
+    from engine_helpers import generate
+
+    engines = [LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4", dtype="float32",
+                                      kv_cache_memory=32 << 20)) for _ in range(2)]
+    assert engines[0].core.runner.model.decodes_in_one_call
+    engines[1].core.runner.model.decodes_in_one_call = False
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True, return_hidden_states=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
+    fused, op_by_op = (generate(engine, prompts, params) for engine in engines)
+    for one, other in zip(fused, op_by_op):
+        assert one.token_ids() == other.token_ids()
+        states = [[h for o in result.outputs for c in o.choices for h in c.hidden_states] for result in (one, other)]
+        assert len(states[0]) == 6 and all(torch.equal(a, b) for a, b in zip(*states))

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import cpu as cpu_ops
 from backend.layers.attention import AttentionMetadata, paged_attention
 from backend.layers.linear import Choice, Q4Weight
 from backend.layers.lora import LayerLora
@@ -104,6 +105,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        # decode steps in one call of the CPU ops (set by use_weight_format): int4 weights, a plain dense decoder
+        self.decodes_in_one_call = False
+        self._decode_layers: tuple[int, object] | None = None  # (the KV caches' address, the ops' layer array)
 
     @classmethod
     def architecture(cls, config: dict) -> ModelArchitecture:
@@ -120,6 +124,9 @@ class LlamaForCausalLM(nn.Module):
         [tokens, MoE layers, top_k] most likely first; else None."""
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.for_positions(positions)
+        if self.decodes_in_one_call and meta.prefill is None and lora is None and hidden.dtype == torch.float32:
+            hidden, residual = self._decode_in_one_call(hidden, rope, meta, kv_caches)
+            return residual + hidden, None
         routed = []
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual, expert_ids = layer(rope, hidden, residual, meta, k_cache, v_cache,
@@ -127,6 +134,23 @@ class LlamaForCausalLM(nn.Module):
             if record_routing and expert_ids is not None:
                 routed.append(expert_ids)
         return residual + hidden, torch.stack(routed, dim=1) if routed else None
+
+    def _decode_in_one_call(self, hidden, rope, meta: AttentionMetadata, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer through the CPU ops' llama_decode: the layers' own ops in their order, without ~10 Python
+        dispatches a layer (the same numbers, to the bit)."""
+        caches_at = kv_caches[0][0].data_ptr()
+        if self._decode_layers is None or self._decode_layers[0] != caches_at:
+            self._decode_layers = (caches_at, cpu_ops.decoder_layers([
+                {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight,
+                 "qkv": layer.self_attn.qkv_proj.packed, "o": layer.self_attn.o_proj.packed,
+                 "gate_up": layer.mlp.gate_up_proj.packed, "down": layer.mlp.down_proj.packed,
+                 "k_cache": k_cache, "v_cache": v_cache}
+                for layer, (k_cache, v_cache) in zip(self.layers, kv_caches)]))
+        arch = self.arch
+        return cpu_ops.llama_decode(self._decode_layers[1], hidden, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                    arch.intermediate_size, arch.rms_norm_eps, self.layers[0].self_attn.scale, *rope,
+                                    meta.slot_mapping, kv_caches[0][0].shape[1], meta.decode_block_tables,
+                                    meta.decode_context_lens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,6 +190,9 @@ class LlamaForCausalLM(nn.Module):
                 linear = getattr(owner, name)
                 setattr(owner, name, choice.make(linear.weight, linear.bias, blocks))
         self.lm_head = choice.make_head(self.head_weight())
+        arch = self.arch
+        self.decodes_in_one_call = (choice.kernel == "cpu_ops" and not arch.qk_norm and not arch.attention_bias
+                                    and not arch.mlp_bias and not arch.moe_layers)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: dict, dtype: torch.dtype,

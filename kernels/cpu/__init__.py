@@ -39,6 +39,8 @@ SIGNATURES = {
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
     "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p],
     "silu_and_mul": [_p, _i64, _i64, _p],
+    "llama_decode": [_p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _p, _p, _p, _i64, _p, _i64, _p, _i64,
+                     _p, _p],
 }
 
 
@@ -176,3 +178,39 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
     _library.silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1], width, out.data_ptr())
     return out
+
+
+# ---- a whole decode forward ----
+
+class DecoderLayer(ctypes.Structure):
+    """One layer's tensors as cpu_ops.c's llama_decode reads them."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache")]
+
+
+def decoder_layers(layers: list[dict[str, torch.Tensor]]) -> ctypes.Array:
+    """Each layer's tensors (DecoderLayer's field names) as one array; the tensors must outlive it."""
+    array = (DecoderLayer * len(layers))()
+    for entry, tensors in zip(array, layers):
+        for name, tensor in tensors.items():
+            assert tensor.is_contiguous(), name
+            setattr(entry, name, tensor.data_ptr())
+    return array
+
+
+def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_size: int, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer of a dense decoder over one-token queries: the embeddings [tokens, hidden] → (the last MLP's
+    output, the residual stream before it), as the layers op by op would give them."""
+    hidden = hidden.contiguous().clone()  # written in place
+    residual = torch.empty_like(hidden)
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    cos, sin, slots, lens = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous(), context_lens.contiguous()
+    _library.llama_decode(ctypes.addressof(layers), len(layers), hidden.shape[0], hidden.shape[1], heads, kv_heads,
+                          head_dim, intermediate, eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                          block_size, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+                          tables.shape[1] * block_size, hidden.data_ptr(), residual.data_ptr())
+    return hidden, residual
