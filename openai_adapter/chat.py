@@ -83,7 +83,7 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int], request: ChatCompl
                 # SGLang streams hidden states in the delta (of a chunk of their own)
                 delta=ChatDelta(role=request.response_role() if first else None,
                                 content=None if choice.tool_calls and not choice.text else choice.text,
-                                tool_calls=[ToolCallDelta.model_validate(delta) for delta in choice.tool_calls]
+                                tool_calls=[ToolCallDelta.model_validate(delta) for delta in choice.tool_calls or ()]
                                 or None, hidden_states=choice.hidden_states),
                 logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,
                 finish_reason=choice.finish_reason,

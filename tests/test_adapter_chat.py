@@ -57,11 +57,6 @@ def test_top_logprobs_needs_logprobs():
     assert error.param == "top_logprobs"
 
 
-def test_tools_are_refused_not_ignored():
-    request = _parse(tools=[{"type": "function", "function": {"name": "f"}}])
-    assert request.unsupported_parameter() == "tools"
-
-
 class _FakeCompletions:
     def __init__(self, chunks: list[CompletionResponse]) -> None:
         self._chunks = chunks
