@@ -141,8 +141,8 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             raise model_not_found(model)
         return card
 
-    @v1.post("/load_lora_adapter", response_class=PlainTextResponse,
-             **lora_route_docs(LoadLoraAdapterRequest, with_auth))
+    # no response_class: it would document the JSON errors as plain text too (the answers are PlainTextResponse)
+    @v1.post("/load_lora_adapter", **lora_route_docs(LoadLoraAdapterRequest, with_auth))
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         """vLLM's: give `lora_name` to the adapter at `lora_path` (inside the adapters directory), once an engine
         has read its files; /v1/models lists it at once and `model` accepts the name."""
@@ -155,8 +155,7 @@ def create_app(settings: AdapterSettings) -> FastAPI:
 
         return PlainTextResponse(await runtime_adapters.load(body.lora_name, body.lora_path, engine_reads))
 
-    @v1.post("/unload_lora_adapter", response_class=PlainTextResponse,
-             **lora_route_docs(UnloadLoraAdapterRequest, with_auth))
+    @v1.post("/unload_lora_adapter", **lora_route_docs(UnloadLoraAdapterRequest, with_auth))
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         """vLLM's: forget `lora_name`; requests already running with it finish, later ones get 404."""
         body = parse_request(await read_body(request, settings.max_body_bytes), UnloadLoraAdapterRequest)

@@ -81,4 +81,5 @@ def test_openapi_describes_the_routes(lora_dir):
     load = paths["/v1/load_lora_adapter"]["post"]
     assert load["requestBody"]["content"]["application/json"]["schema"]["required"] == ["lora_name", "lora_path"]
     assert "text/plain" in load["responses"]["200"]["content"]
+    assert all(set(load["responses"][status]["content"]) == {"application/json"} for status in ("400", "404", "503"))
     assert set(paths["/v1/unload_lora_adapter"]["post"]["responses"]) == {"200", "400", "404", "503"}

@@ -169,8 +169,6 @@ def test_null_inside_stream_options_means_the_default(stack):
     ("completions", "guided_whitespace_pattern", " "),
     ("chat/completions", "chat_template", "{{ messages[0].content }}"),
     ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
-    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("chat/completions", "tool_choice", "required"),
 ])
 def test_unsupported_non_neutral_parameters_are_400_not_ignored(stack, route, field, value):
     prompt = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}

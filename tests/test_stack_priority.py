@@ -83,6 +83,10 @@ def test_a_high_priority_request_starts_within_a_few_steps_and_no_low_priority_o
     assert time_to_first_token < 6 * step, (time_to_first_token, step)
     assert high.finish_reason == "length" and high.completion_tokens == 8
     # one running low-priority stream went back to waiting for it (FCFS it would have waited for a whole stream)
+    # (the engine's counters are published twice a second: poll)
+    deadline = time.monotonic() + 5
+    while metric(stack, "tritonllm:preemptions_total") == preemptions_before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert metric(stack, "tritonllm:preemptions_total") - preemptions_before >= 1
     assert all(len(low.arrivals) < LOW_TOKENS for low in lows)  # the lows were still far from done
 
@@ -112,5 +116,5 @@ def test_fcfs_server_refuses_a_priority_naming_it(stack, client):
                                        max_tokens=1, extra_body={"priority": 1})
     assert refused.value.body["param"] == "priority" and "--scheduling-policy fcfs" in refused.value.body["message"]
     answer = client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=1,
-                                       extra_body={"priority": 0})  # the default is fine everywhere
+                                       extra_body={"priority": 0, "ignore_eos": True})  # the default is fine
     assert answer.choices[0].finish_reason == "length"
