@@ -203,9 +203,9 @@ def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[
     """What `requested` may run as on the CPU; `dtype` None lets the format choose the activations.
 
     auto considers only what keeps float32's greedy output (the table above): fp32 activations with fp32 or fp16
-    weights, or with the checkpoint's own Q4_1 weights. bf16 activations (bfloat16, int4 on bf16 hardware) are
-    faster on CPUs with bf16 hardware but change some greedy continuations: they run when asked for, by
-    weight_format or by dtype=bfloat16 (then auto times those)."""
+    weights, or with the checkpoint's own Q4_1 weights. bf16 activations (bfloat16; int4 on bf16 hardware without
+    the CPU ops) change some greedy continuations: they run when asked for, by weight_format or by dtype=bfloat16
+    (then auto times those)."""
     if requested not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight_format {requested!r} (choose from {', '.join(WEIGHT_FORMATS)})")
     if requested == "auto":
@@ -217,8 +217,10 @@ def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[
         if requested == "int4" and not has_q4:
             raise ValueError("weight_format int4 serves a checkpoint's Q4_1 weights; this model has none (it was "
                              "not converted from a Q4_1 GGUF)")
-        native = {"bfloat16": torch.bfloat16,  # int4: bf16 activations where the CPU computes them natively
-                  "int4": torch.bfloat16 if cpu_has_bf16() else torch.float32}.get(requested, torch.float32)
+        # int4: fp32 through the CPU ops (exact, and faster than torch's bf16 kernel where both run), else bf16
+        # activations where the CPU computes them natively
+        int4_native = torch.float32 if cpu_ops.available() or not cpu_has_bf16() else torch.bfloat16
+        native = {"bfloat16": torch.bfloat16, "int4": int4_native}.get(requested, torch.float32)
         act = dtype or native
         if act != native and requested != "int4":  # int4 runs with either
             raise ValueError(f"weight_format {requested} needs {native} activations, not dtype {dtype}")
