@@ -1,11 +1,12 @@
 """The CPU's fused ops (cpu_ops.c), built for this machine on first use and called through ctypes.
 
 One step of a small model on a CPU is hundreds of small torch ops (each a dispatch and an OpenMP fork), and the
-int4 weights have no fast fp32-activation kernel in torch. These ops do the same work in a few calls per layer,
-and `q4_matmul` reads the checkpoint's own 4-bit weights (5 bits per weight with their scales, against 16 for
-fp16). `load(directory)` compiles the library with `-march=native` (so it suits exactly the CPU it runs on) into that
-directory, keyed by the source, the flags and the CPU's feature flags, and loads it; until then, without a C
-compiler, or with TRITONLLM_CPU_OPS=0, the engine's ops run the torch references. ctypes releases the GIL during each call; the OpenMP runtime is torch's own (the
+int4 weights have no fast fp32-activation kernel in torch. These ops do the same work in a few calls per layer
+(`llama_decode`: one call for a whole decode step), and `q4_matmul` reads the checkpoint's own 4-bit weights (5
+bits per weight with their scales, against 16 for fp16). `load(directory)` compiles the library with
+`-march=native` (so it suits exactly the CPU it runs on) into that directory, keyed by the source, the flags and
+the CPU's feature flags, and loads it; until then, without a C compiler, or with TRITONLLM_CPU_OPS=0, the engine's
+ops run the torch references. ctypes releases the GIL during each call; the OpenMP runtime is torch's own (the
 library links libgomp.so.1, which torch has already loaded), so the process keeps one thread team."""
 
 from __future__ import annotations
