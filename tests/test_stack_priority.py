@@ -63,31 +63,42 @@ class _Stream:
         assert not self.thread.is_alive() and self.error is None, self.error
 
 
+def _published(stack: Stack, name: str, holds, timeout: float = 5.0) -> bool:
+    """Whether the metric comes to satisfy `holds` within `timeout` (the engine publishes twice a second)."""
+    deadline = time.monotonic() + timeout
+    while not holds(metric(stack, name)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def test_a_high_priority_request_starts_within_a_few_steps_and_no_low_priority_one_is_lost(priority_stack):
     stack = priority_stack
     wait_until_idle(stack)
     preemptions_before = metric(stack, "tritonllm:preemptions_total")
+    alone = _Stream(stack, HIGH_PRIORITY, max_tokens=8)  # its time to first token on an idle engine
+    alone.join()
+    idle_ttft = alone.arrivals[0] - alone.sent
     lows = [_Stream(stack, LOW_PRIORITY, LOW_TOKENS) for _ in range(LOW_STREAMS)]
     deadline = time.monotonic() + 60
     while sum(len(low.arrivals) >= 10 for low in lows) < MAX_NUM_SEQS:  # the engine is full and decoding
         assert time.monotonic() < deadline, "the low-priority streams did not start"
         time.sleep(0.05)
     running = [low for low in lows if low.arrivals]
-    assert len(running) == MAX_NUM_SEQS and metric(stack, "tritonllm:num_requests_waiting") == LOW_STREAMS - 2
+    assert len(running) == MAX_NUM_SEQS
+    assert _published(stack, "tritonllm:num_requests_waiting", lambda waiting: waiting == LOW_STREAMS - 2)
     # one engine step, as the running streams see it now: the gap between their consecutive chunks
     step = statistics.median(b - a for low in running for a, b in zip(low.arrivals[-8:], low.arrivals[-7:]))
 
     high = _Stream(stack, HIGH_PRIORITY, max_tokens=8)
     high.join()
     time_to_first_token = high.arrivals[0] - high.sent
-    assert time_to_first_token < 6 * step, (time_to_first_token, step)
+    # within a few steps of what it takes on an idle engine (waiting for a low stream to end: ~40 steps)
+    assert time_to_first_token < idle_ttft + 6 * step, (time_to_first_token, idle_ttft, step)
     assert high.finish_reason == "length" and high.completion_tokens == 8
     # one running low-priority stream went back to waiting for it (FCFS it would have waited for a whole stream)
-    # (the engine's counters are published twice a second: poll)
-    deadline = time.monotonic() + 5
-    while metric(stack, "tritonllm:preemptions_total") == preemptions_before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert metric(stack, "tritonllm:preemptions_total") - preemptions_before >= 1
+    assert _published(stack, "tritonllm:preemptions_total", lambda count: count - preemptions_before >= 1)
     assert all(len(low.arrivals) < LOW_TOKENS for low in lows)  # the lows were still far from done
 
     for low in lows:
