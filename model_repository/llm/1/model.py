@@ -78,9 +78,6 @@ class TritonPythonModel:
         config = EngineConfig.from_strings(parameters)
         if args["model_instance_kind"] == "GPU":  # instance_group KIND_GPU: Triton chose this engine's GPU
             config = dataclasses.replace(config, device=f"cuda:{args['model_instance_device_id']}")
-        # Each instance is its own engine: its metrics carry its instance name (e.g. llm_0_1).
-        self.metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"],
-                                                "instance": args["model_instance_name"]})
         log.info("engine instance %s starting on %s", args["model_instance_name"], config.device)
         self.mailbox = queue.SimpleQueue()  # callables run on the responder thread; None stops it
         self.in_flight: dict[str, _InFlight] = {}  # owned by the responder thread
@@ -89,6 +86,10 @@ class TritonPythonModel:
         self.parts = EngineParts.create(config, start_core=self.core.start)  # the core is built on its own thread
         self.inputs = self.parts.inputs  # used on Triton's thread only
         self.outputs = self.parts.outputs  # used on the responder thread only
+        # Each instance is its own engine: its metrics carry its instance name (e.g. llm_0_1). Made only once the
+        # engine is built: a failed load gets no finalize(), and a metric the stub frees itself segfaults it (below).
+        self.metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"],
+                                                "instance": args["model_instance_name"]})
         self.responder = threading.Thread(target=self._respond, name="tritonllm-responder", daemon=True)
         self.responder.start()
 
