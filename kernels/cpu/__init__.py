@@ -100,6 +100,12 @@ def available() -> bool:
     return _library is not None
 
 
+def _table(block_tables: torch.Tensor) -> torch.Tensor:
+    """Block tables as the kernels read them: rows of contiguous entries (the rows may be strided: the runner's
+    tables are views of a wider buffer)."""
+    return block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+
+
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -164,7 +170,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
     seqs, heads, head_dim = q.shape
     out = torch.empty(seqs, heads, head_dim, dtype=torch.float32)
-    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()  # rows may be strided
+    tables = _table(block_tables)
     lens = context_lens.contiguous()
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     _library.paged_decode_attention(q.data_ptr(), q.stride(0), seqs, heads, head_dim, k_cache.data_ptr(),
@@ -208,7 +214,7 @@ def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_head
     output, the residual stream before it), as the layers op by op would give them."""
     hidden = hidden.contiguous().clone()  # written in place
     residual = torch.empty_like(hidden)
-    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    tables = _table(block_tables)
     cos, sin, slots, lens = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous(), context_lens.contiguous()
     _library.llama_decode(ctypes.addressof(layers), len(layers), hidden.shape[0], hidden.shape[1], heads, kv_heads,
                           head_dim, intermediate, eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
