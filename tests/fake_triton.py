@@ -61,20 +61,21 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
             [prompt] = [deserialize_bytes_tensor(raw)[0].decode() for tensor, raw in
                         zip(request.inputs, request.raw_input_contents) if tensor.name == "text_input"]
             script = Script(**json.loads(prompt))
+            # A call cancelled while this generator waits at a `yield` is never resumed: its outcome is
+            # recorded when the call ends, whatever ends it.
+            context.add_callback(lambda request_id=request.id: self._record_first(request_id, "cancelled"))
             for index in range(script.count):
                 if script.stall_after is not None and index >= script.stall_after:
                     break
                 if not self._sleep(script.interval_s, context):
-                    self._record(request.id, "cancelled")
                     return
                 yield _response(request.id, f" t{index}", "None", 1)
             else:
-                self._record(request.id, "completed")
+                self._record_first(request.id, "completed")
                 yield _response(request.id, "", "length", 0)
                 return
             while context.is_active():  # stalled: silent until the client gives up
                 time.sleep(0.02)
-            self._record(request.id, "cancelled")
             return
 
     @staticmethod
@@ -87,9 +88,9 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
             time.sleep(min(0.02, deadline - time.monotonic()))
         return context.is_active()
 
-    def _record(self, request_id: str, outcome: str) -> None:
+    def _record_first(self, request_id: str, outcome: str) -> None:
         with self.lock:
-            self.outcomes[request_id] = outcome
+            self.outcomes.setdefault(request_id, outcome)
 
 
 class FakeTriton:
