@@ -57,6 +57,60 @@ def test_q4_matmul_rows_do_not_depend_on_the_batch():
             assert torch.equal(cpu.q4_matmul(x[start:start + size], packed), together[start:start + size])
 
 
+def _q8(rows: int, width: int) -> torch.Tensor:
+    """Float32 weights that are Q8_0 blocks: w = d·q, q in -127..127 reaching ±127 in each block (as llama.cpp
+    scales them), d an fp16 per block of 32."""
+    q = torch.randint(-127, 128, (rows, width // 32, 32))
+    q[..., 0] = torch.where(torch.rand(rows, width // 32) < 0.5, -127, 127)
+    d = (torch.rand(rows, width // 32, 1) * 0.02).half().float()
+    return (q * d).reshape(rows, width)
+
+
+@pytest.mark.parametrize("rows, width", [(4, 32), (7, 96), (577, 576)])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_q8_matmul_is_the_dequantized_weights_in_float32(rows, width, tokens):
+    dense = _q8(rows, width)
+    packed = cpu.pack_q8_exact(dense)
+    assert packed is not None and packed.shape == (rows, width // 32, 34)
+    x = torch.randn(tokens, width)
+    torch.testing.assert_close(cpu.q8_matmul(x, packed), x @ dense.T, atol=1e-4, rtol=1e-4)
+
+
+def test_q8_matmul_rows_do_not_depend_on_the_batch():
+    packed = cpu.pack_q8_exact(_q8(131, 576))
+    x = torch.randn(37, 576)
+    together = cpu.q8_matmul(x, packed)
+    for size in (1, 3, 9):
+        for start in range(0, len(x) - size + 1, 7):
+            assert torch.equal(cpu.q8_matmul(x[start:start + size], packed), together[start:start + size])
+
+
+def test_only_weights_that_are_q8_0_blocks_to_the_bit_are_packed_as_q8_0():
+    dense = _q8(64, 128)
+    dense[3, 0:32] = 0  # an all-zero block is one (d = 0)
+    assert cpu.pack_q8_exact(dense) is not None
+    assert cpu.pack_q8_exact(torch.randn(64, 128)) is None  # an fp32 weight
+    nudged = dense.clone()
+    nudged[10, 40] += 1e-3  # one weight off its block's grid
+    assert cpu.pack_q8_exact(nudged) is None
+    assert cpu.pack_q8_exact(_q8(4, 64)[:, :48]) is None  # not whole blocks
+
+
+def test_the_default_models_int4_lm_head_runs_as_its_q8_0_blocks(default_model_dir):
+    """The GGUF's tied embedding is Q8_0: the int4 format's LM head is those blocks, and gives the float32 head's
+    logits (to float32 rounding)."""
+    from backend.config import EngineConfig
+    from backend.layers.linear import Q8Projection
+    from backend.llm_engine import LLMEngine
+
+    model = LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4",
+                                   kv_cache_memory=16 << 20)).core.runner.model
+    assert isinstance(model.lm_head, Q8Projection)
+    tied = model.embed_tokens.weight
+    hidden = torch.randn(3, tied.shape[1])
+    torch.testing.assert_close(model.lm_head(hidden), hidden @ tied.float().T, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("tokens, hidden", [(1, 64), (3, 100), (5, 576)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(tokens, hidden, with_residual):

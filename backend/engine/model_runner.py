@@ -84,7 +84,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     q4 = read_q4_1_blocks(model_dir, model.arch)
     options = candidates(config.weight_format, dtype, has_q4=q4 is not None)
     choice = choose_format(options, model.projection_weights(0), None if q4 is None else q4[0],
-                           model.head_weight())
+                           model.head_weight(), model.arch.num_layers)
     model.use_weight_format(choice, q4)
     return model.to(choice.dtype), choice.describe()
 

@@ -17,8 +17,9 @@ model's own layer shapes at load and keeps the fastest one that is exact or near
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
 auto considers only what keeps float32's greedy output on the accuracy test set (tests/test_weight_formats.py).
-With int4 the LM head (the tied embedding, a Q8_0 tensor in the GGUF) runs as float16 (fp32 activations) or
-bf16 (bf16 activations); with float16 and int8 it is in the same format as the projections. Every format computes each token's row on its own (per-token
+With int4 the LM head (the tied embedding, a Q8_0 tensor in the GGUF) runs as its Q8_0 blocks through the CPU
+ops (exact: found by re-blocking the weight and checking it comes back to the bit), else as float16 (fp32
+activations) or bf16 (bf16 activations); with float16 and int8 it is in the same format as the projections. Every format computes each token's row on its own (per-token
 quantization, no batch-wide scales), so a request's output does not depend on what it is batched with."""
 
 from __future__ import annotations
@@ -164,6 +165,18 @@ class Q4Projection(Projection):
         return cpu_ops.q4_matmul(x, self.packed)
 
 
+class Q8Projection(Projection):
+    """Q8_0 weights as blocks (8.5 bits a weight with their scales), fp32 activations: the CPU ops' kernel
+    dequantizes w = d · q per block in registers and multiplies in fp32."""
+
+    def __init__(self, packed: torch.Tensor):
+        super().__init__(None)
+        self.packed = packed
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.q8_matmul(x, self.packed)
+
+
 @dataclass(frozen=True)
 class Choice:
     """A weight format, the activation dtype it runs with, and its kernel."""
@@ -187,8 +200,11 @@ class Choice:
         return OneDNNProjection(weight, bias) if self.kernel == "onednn" else DenseProjection(weight, bias)
 
     def make_head(self, weight: torch.Tensor) -> Projection:
-        """The LM head: int4 has no Q4_1 blocks for it, so it runs near-exact instead: fp16 weights with fp32
-        activations, bf16 with bf16 activations."""
+        """The LM head: int4 has no Q4_1 blocks for it. With the CPU ops it runs as the checkpoint's Q8_0 blocks
+        where the weight is exactly those (a GGUF's Q8_0 head: half fp16's bytes, and exact); otherwise near-exact:
+        fp16 weights with fp32 activations, bf16 with bf16 activations."""
+        if self.kernel == "cpu_ops" and (packed := cpu_ops.pack_q8_exact(weight)) is not None:
+            return Q8Projection(packed)
         if self.weight_format == "int4" and self.dtype == torch.float32 and _fbgemm_available():
             return Choice("float16", self.dtype, "fbgemm").make(weight, None)
         if self.weight_format == "int4":
@@ -239,25 +255,26 @@ def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[
 
 
 def choose_format(options: list[Choice], layer_weights: list[torch.Tensor], layer_q4: list[Q4Weight] | None,
-                  head_weight: torch.Tensor) -> Choice:
-    """The fastest option for one layer's projections + the LM head, timed at 1 and 16 tokens (the fastest of five
-    steps of each), logged with the figures. One option is not timed."""
+                  head_weight: torch.Tensor, num_layers: int) -> Choice:
+    """The fastest option for a step's projections, timed at 1 and 16 tokens: one layer's (the fastest of five
+    runs) times num_layers, plus the LM head's; logged with the figures. One option is not timed."""
     if len(options) == 1:
         return options[0]
     timings = {}
     for option in options:
         try:
-            timings[option] = _time_option(option, layer_weights, layer_q4, head_weight)
+            timings[option] = _time_option(option, layer_weights, layer_q4, head_weight, num_layers)
         except RuntimeError as error:  # e.g. a oneDNN kernel this CPU lacks
             log.info("weight format %s unavailable here: %s", option.describe(), error)
     best = min(timings, key=timings.get)
-    log.info("weight formats timed (one layer's projections + LM head, at 1 and 16 tokens): %s → %s",
+    log.info("weight formats timed (a step's projections: %d layers' + the LM head, at 1 and 16 tokens): %s → %s",
+             num_layers,
              ", ".join(f"{o.describe()} {t * 1e3:.1f} ms" for o, t in timings.items()), best.describe())
     return best
 
 
 def _time_option(option: Choice, layer_weights: list[torch.Tensor], layer_q4: list[Q4Weight] | None,
-                 head_weight: torch.Tensor) -> float:
+                 head_weight: torch.Tensor, num_layers: int) -> float:
     projections = [option.make(w, None, None if layer_q4 is None else q4)
                    for w, q4 in zip(layer_weights, layer_q4 or [None] * len(layer_weights))]
     head = option.make_head(head_weight)
@@ -267,16 +284,21 @@ def _time_option(option: Choice, layer_weights: list[torch.Tensor], layer_q4: li
             inputs = [torch.randn(tokens, w.shape[1]).to(option.dtype) for w in layer_weights]
             hidden = torch.randn(tokens, head_weight.shape[1]).to(option.dtype)
 
-            def step() -> None:
+            def layer() -> None:
                 for projection, x in zip(projections, inputs):
                     projection(x)
-                head(hidden)
 
-            step()  # warm-up (oneDNN and the int kernels set themselves up on first use)
-            timings = []
-            for _ in range(5):  # the fastest of five: what another process on the cores adds is noise, not cost
-                started = time.perf_counter()
-                step()
-                timings.append(time.perf_counter() - started)
-            total += min(timings)
+            total += num_layers * _fastest(layer) + _fastest(lambda: head(hidden))
     return total
+
+
+def _fastest(run) -> float:
+    """The fastest of five runs after a warm-up (oneDNN and the int kernels set themselves up on first use): what
+    another process on the cores adds is noise, not cost."""
+    run()
+    timings = []
+    for _ in range(5):
+        started = time.perf_counter()
+        run()
+        timings.append(time.perf_counter() - started)
+    return min(timings)

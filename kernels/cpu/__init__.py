@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-Q4_BLOCK, Q4_BLOCK_BYTES = 32, 20  # as in cpu_ops.c
+QUANT_BLOCK, Q4_1_BYTES = 32, 20  # as in cpu_ops.c
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p],
     "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
@@ -110,27 +111,49 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-# ---- int4 weights ----
+# ---- quantized weights: the checkpoint's Q4_1 and Q8_0 blocks ----
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Q4_1 codes q [out, in] (0..15) and fp16 scales d, zeros m [out, in / 32] → the kernel's blocks
     [out, in / 32, 20] uint8: d, m, then 16 bytes holding element j (low nibble) and j + 16 (high)."""
     rows, width = q.shape
-    codes = q.to(torch.uint8).view(rows, width // Q4_BLOCK, Q4_BLOCK)
+    codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, QUANT_BLOCK)
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    scales = [t.to(torch.float16).contiguous().view(torch.uint8).view(rows, width // Q4_BLOCK, 2) for t in (d, m)]
+    scales = [t.to(torch.float16).contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 2) for t in (d, m)]
     return torch.cat([*scales, nibbles], dim=-1).contiguous()
 
 
-def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [tokens, in] float32 @ the packed weights' [out, in].T → [tokens, out]."""
+def pack_q8_exact(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] as Q8_0 blocks [out, in / 32, 34] uint8 (fp16 d, then 32 int8 codes: w = d · q), or None
+    unless those blocks hold it exactly: a GGUF's Q8_0 tensor dequantized comes back to its own blocks (llama.cpp
+    scales each block by its absmax / 127), any other weight does not."""
+    rows, width = weight.shape
+    if width % QUANT_BLOCK:
+        return None
+    blocks = weight.float().reshape(rows, width // QUANT_BLOCK, QUANT_BLOCK)
+    d = (blocks.abs().amax(dim=-1, keepdim=True) / 127).to(torch.float16)
+    q = torch.where(d == 0, 0.0, blocks / d.float()).round().clamp(-127, 127)
+    if not torch.equal(q * d.float(), blocks):
+        return None
+    return torch.cat([d.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
+
+
+def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
-    _library.q4_matmul(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), packed.shape[0], out.data_ptr())
+    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), packed.shape[0], out.data_ptr())
     return out
 
 
-# ---- the kernels' ops (same signatures as their references in kernels/) ----
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ pack_q4's weights [out, in].T → [tokens, out]."""
+    return _block_matmul(_library.q4_matmul, x, packed)
+
+
+def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ pack_q8_exact's weights [out, in].T → [tokens, out]."""
+    return _block_matmul(_library.q8_matmul, x, packed)
+
 
 def _rows(x: torch.Tensor) -> bool:
     """Whether x [tokens, heads, dim] has each token's heads back to back (its rows may be strided)."""

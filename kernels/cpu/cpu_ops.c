@@ -20,10 +20,14 @@
 #define ROW_TILE 4
 #define TOKEN_TILE 2 /* AVX2's 16 registers: 4 x 2 accumulators + 4 weight vectors */
 #endif
+#if VLEN == 16
+#define VALUE_CHUNK 4 /* attention: 3 heads x 4 vectors of accumulators + 4 of values */
+#else
+#define VALUE_CHUNK 2
+#endif
+#define HEAD_TILE 3 /* query heads sharing a kv head, per pass over its values */
 #define TOKEN_CHUNK 64 /* tokens whose activations stay in L2 while every weight row streams past them */
-#define Q4_BLOCK 32
 #define PREFETCH_AHEAD 2048 /* bytes of a thread's weight stream requested ahead: the hardware alone kept too few in flight */
-#define Q4_BLOCK_BYTES 20 /* fp16 d, fp16 m, 16 bytes of nibbles: element j low, element j + 16 high */
 
 typedef float vf __attribute__((vector_size(VLEN * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VLEN * 4), aligned(4)));
@@ -41,6 +45,35 @@ static inline float lane_sum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+#endif
+}
+
+/* VLEN vectors' lane sums as one vector (lane j: the sum of v[j]): halves of pairs added, then their halves...
+ * (15 shuffled adds for 16 sums, where lane_sum takes 4 steps each). */
+#define HALVES(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+static inline vf lane_sums(const vf *v) {
+#if VLEN == 16
+    vf z[8], w[4], u[2];
+    for (int i = 0; i < 8; i++)
+        z[i] = HALVES(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + HALVES(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        w[i] = HALVES(z[2 * i], z[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + HALVES(z[2 * i], z[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        u[i] = HALVES(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + HALVES(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return HALVES(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + HALVES(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vf z[4], w[2];
+    for (int i = 0; i < 4; i++)
+        z[i] = HALVES(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + HALVES(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        w[i] = HALVES(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + HALVES(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return HALVES(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) + HALVES(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
 }
 
@@ -73,51 +106,69 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
-/* ---- int4 (Q4_1) projections: y[T][N] = x[T][K] . W[N][K]^T, w = d * q + m per block of 32 inputs ---- */
+/* ---- projections over the checkpoint's quantized blocks: y[T][N] = x[T][K] . W[N][K]^T ----
+ * Q4_1 (the decoder's projections): w = d * q + m per block of 32 inputs; Q8_0 (a GGUF's embedding and LM head):
+ * w = d * q, q signed. Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
+
+#define QUANT_BLOCK 32
+#define Q4_1_BYTES 20 /* fp16 d, fp16 m, 16 bytes of nibbles: element j low, element j + 16 high */
+#define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 
 typedef uint8_t vbytes __attribute__((vector_size(VLEN), aligned(1)));
 
-/* A block's fp16 d and m as floats. One vector conversion of both: a scalar one merges into its destination
- * register, which chains every block to the one before. */
 /* bytes → floats through int32 (a direct conversion is scalarized) */
 static inline vf to_float(vbytes bytes) { return __builtin_convertvector(__builtin_convertvector(bytes, vi), vf); }
 
-static inline void block_scales(const uint8_t *block, float *d, float *m) {
+/* A block's two leading fp16 values as floats. One vector conversion of both: a scalar one merges into its
+ * destination register, which chains every block to the one before. */
+static inline void block_scales(const uint8_t *block, float *first, float *second) {
 #if defined(__F16C__)
     int32_t both;
     memcpy(&both, block, 4);
     const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
-    *d = scales[0];
-    *m = scales[1];
+    *first = scales[0];
+    *second = scales[1];
 #else
-    _Float16 d16, m16;
-    memcpy(&d16, block, 2);
-    memcpy(&m16, block + 2, 2);
-    *d = (float)d16;
-    *m = (float)m16;
+    _Float16 a, b;
+    memcpy(&a, block, 2);
+    memcpy(&b, block + 2, 2);
+    *first = (float)a;
+    *second = (float)b;
 #endif
 }
 
-static inline void dequantize_row(const uint8_t *row, int64_t blocks, float *w) {
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = row + b * Q4_BLOCK_BYTES;
-        __builtin_prefetch(block + PREFETCH_AHEAD, 0, 0);
-        float d, m;
-        block_scales(block, &d, &m);
-        const vf dv = splat(d), mv = splat(m);
-        float *out = w + b * Q4_BLOCK;
+#define BLOCK_VECTORS (QUANT_BLOCK / VLEN)
+
+/* A block's 32 weights as BLOCK_VECTORS vectors (in registers, once inlined). */
+static inline void dequantize_q4_1(const uint8_t *block, vf *out) {
+    float d, m;
+    block_scales(block, &d, &m);
+    const vf dv = splat(d), mv = splat(m);
 #if VLEN == 16
-        const vbytes nibbles = *(const vbytes *)(block + 4);
-        store(out, to_float(nibbles & 15) * dv + mv);
-        store(out + 16, to_float(nibbles >> 4) * dv + mv);
+    const vbytes nibbles = *(const vbytes *)(block + 4);
+    out[0] = to_float(nibbles & 15) * dv + mv;
+    out[1] = to_float(nibbles >> 4) * dv + mv;
 #else /* AVX2: split the 16 bytes by hand (GCC scalarizes byte shifts and conversions of 8-byte vectors) */
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)), low_bits = _mm_set1_epi8(15);
-        const __m128i halves[2] = {_mm_and_si128(bytes, low_bits), _mm_and_si128(_mm_srli_epi16(bytes, 4), low_bits)};
-        for (int half = 0; half < 2; half++) {
-            store(out + 16 * half, (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[half])) * dv + mv);
-            store(out + 16 * half + 8,
-                  (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[half], 8))) * dv + mv);
-        }
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)), low_bits = _mm_set1_epi8(15);
+    const __m128i halves[2] = {_mm_and_si128(bytes, low_bits), _mm_and_si128(_mm_srli_epi16(bytes, 4), low_bits)};
+    for (int half = 0; half < 2; half++) {
+        out[2 * half] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[half])) * dv + mv;
+        out[2 * half + 1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[half], 8))) * dv + mv;
+    }
+#endif
+}
+
+static inline void dequantize_q8_0(const uint8_t *block, vf *out) {
+    float d, unused;
+    block_scales(block, &d, &unused); /* (the second value is the first two codes: read, not used) */
+    const vf dv = splat(d);
+    for (int i = 0; i < QUANT_BLOCK; i += VLEN) {
+#if VLEN == 16 /* intrinsics: GCC scalarizes the conversion of signed bytes */
+        const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 2 + i));
+        out[i / VLEN] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * dv;
+#else
+        const __m128i codes = _mm_loadl_epi64((const __m128i *)(block + 2 + i));
+        out[i / VLEN] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * dv;
 #endif
     }
 }
@@ -148,40 +199,88 @@ MICROKERNEL(ROW_TILE, 1)
 MICROKERNEL(1, TOKEN_TILE)
 MICROKERNEL(1, 1)
 
-/* weights: [N][K / 32] blocks of Q4_BLOCK_BYTES; K a multiple of 32 (and so of VLEN). */
-void q4_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {
-    const int64_t blocks = K / Q4_BLOCK, row_bytes = blocks * Q4_BLOCK_BYTES;
-    const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
-    for (int64_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {
-        const int64_t tokens = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;
-        const float *xc = x + t0 * K;
-        float *yc = y + t0 * N;
-#pragma omp parallel
-        {
-            float *w = aligned_alloc(64, (size_t)(ROW_TILE * K * 4));
-#pragma omp for schedule(static)
-            for (int64_t tile = 0; tile < tiles; tile++) {
-                const int64_t n0 = tile * ROW_TILE;
-                const int64_t rows = N - n0 < ROW_TILE ? N - n0 : ROW_TILE;
-                for (int64_t r = 0; r < rows; r++) dequantize_row(weights + (n0 + r) * row_bytes, blocks, w + r * K);
-                if (rows == ROW_TILE) {
-                    int64_t t = 0;
-                    for (; t + TOKEN_TILE <= tokens; t += TOKEN_TILE)
-                        TILE(ROW_TILE, TOKEN_TILE)(w, K, xc + t * K, yc + t * N + n0, N);
-                    for (; t < tokens; t++) TILE(ROW_TILE, 1)(w, K, xc + t * K, yc + t * N + n0, N);
-                } else {
-                    for (int64_t r = 0; r < rows; r++) {
-                        int64_t t = 0;
-                        for (; t + TOKEN_TILE <= tokens; t += TOKEN_TILE)
-                            TILE(1, TOKEN_TILE)(w + r * K, K, xc + t * K, yc + t * N + n0 + r, N);
-                        for (; t < tokens; t++) TILE(1, 1)(w + r * K, K, xc + t * K, yc + t * N + n0 + r, N);
-                    }
-                }
-            }
-            free(w);
-        }
+/* One token against ROWS rows of blocks, dequantized in registers (no row buffer: with one token nothing reuses
+ * it). The same products summed in the same order as TILE(ROWS, 1) over the dequantized rows: the same bits. */
+#define ONE_TOKEN_(NAME, ROWS) NAME##_one_token_##ROWS
+#define ONE_TOKEN(NAME, ROWS) ONE_TOKEN_(NAME, ROWS)
+#define ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, ROWS)                                                  \
+    static inline void ONE_TOKEN(NAME, ROWS)(const uint8_t *rows, int64_t row_bytes, int64_t blocks,          \
+                                             const float *x, float *y) {                                       \
+        vf acc[ROWS];                                                                                           \
+        for (int r = 0; r < ROWS; r++) acc[r] = (vf){0};                                                        \
+        for (int64_t b = 0; b < blocks; b++) {                                                                  \
+            vf xv[BLOCK_VECTORS];                                                                               \
+            for (int i = 0; i < BLOCK_VECTORS; i++) xv[i] = load(x + b * QUANT_BLOCK + i * VLEN);              \
+            for (int r = 0; r < ROWS; r++) {                                                                    \
+                const uint8_t *block = rows + r * row_bytes + b * (BLOCK_BYTES);                                \
+                __builtin_prefetch(block + PREFETCH_AHEAD, 0, 0);                                               \
+                vf w[BLOCK_VECTORS];                                                                            \
+                DEQUANTIZE(block, w);                                                                           \
+                for (int i = 0; i < BLOCK_VECTORS; i++) acc[r] += w[i] * xv[i];                                 \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < ROWS; r++) y[r] = lane_sum(acc[r]);                                                 \
     }
-}
+
+/* NAME(x, T, K, weights, N, y): weights [N][K / 32] blocks of BLOCK_BYTES; K a multiple of 32 (and so of VLEN). */
+#define BLOCK_MATMUL(NAME, DEQUANTIZE, BLOCK_BYTES)                                                              \
+    ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, ROW_TILE)                                                    \
+    ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, 1)                                                           \
+    void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {            \
+        const int64_t blocks = K / QUANT_BLOCK, row_bytes = blocks * (BLOCK_BYTES);                             \
+        const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;                                                    \
+        if (T == 1) {                                                                                           \
+            _Pragma("omp parallel for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {         \
+                const int64_t n0 = tile * ROW_TILE;                                                             \
+                if (N - n0 >= ROW_TILE) {                                                                       \
+                    ONE_TOKEN(NAME, ROW_TILE)(weights + n0 * row_bytes, row_bytes, blocks, x, y + n0);          \
+                } else {                                                                                        \
+                    for (int64_t n = n0; n < N; n++)                                                            \
+                        ONE_TOKEN(NAME, 1)(weights + n * row_bytes, row_bytes, blocks, x, y + n);               \
+                }                                                                                               \
+            }                                                                                                   \
+            return;                                                                                             \
+        }                                                                                                       \
+        for (int64_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {                                                       \
+            const int64_t tokens = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;                                 \
+            const float *xc = x + t0 * K;                                                                       \
+            float *yc = y + t0 * N;                                                                             \
+            _Pragma("omp parallel") {                                                                           \
+                float *w = aligned_alloc(64, (size_t)(ROW_TILE * K * 4));                                       \
+                _Pragma("omp for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {              \
+                    const int64_t n0 = tile * ROW_TILE;                                                         \
+                    const int64_t rows = N - n0 < ROW_TILE ? N - n0 : ROW_TILE;                                 \
+                    for (int64_t r = 0; r < rows; r++) {                                                        \
+                        const uint8_t *row = weights + (n0 + r) * row_bytes;                                    \
+                        for (int64_t b = 0; b < blocks; b++) {                                                  \
+                            __builtin_prefetch(row + b * (BLOCK_BYTES) + PREFETCH_AHEAD, 0, 0);                 \
+                            vf dequantized[BLOCK_VECTORS];                                                      \
+                            DEQUANTIZE(row + b * (BLOCK_BYTES), dequantized);                                   \
+                            for (int i = 0; i < BLOCK_VECTORS; i++)                                             \
+                                store(w + r * K + b * QUANT_BLOCK + i * VLEN, dequantized[i]);                  \
+                        }                                                                                       \
+                    }                                                                                           \
+                    if (rows == ROW_TILE) {                                                                     \
+                        int64_t t = 0;                                                                          \
+                        for (; t + TOKEN_TILE <= tokens; t += TOKEN_TILE)                                       \
+                            TILE(ROW_TILE, TOKEN_TILE)(w, K, xc + t * K, yc + t * N + n0, N);                   \
+                        for (; t < tokens; t++) TILE(ROW_TILE, 1)(w, K, xc + t * K, yc + t * N + n0, N);        \
+                    } else {                                                                                    \
+                        for (int64_t r = 0; r < rows; r++) {                                                    \
+                            int64_t t = 0;                                                                      \
+                            for (; t + TOKEN_TILE <= tokens; t += TOKEN_TILE)                                   \
+                                TILE(1, TOKEN_TILE)(w + r * K, K, xc + t * K, yc + t * N + n0 + r, N);          \
+                            for (; t < tokens; t++) TILE(1, 1)(w + r * K, K, xc + t * K, yc + t * N + n0 + r, N); \
+                        }                                                                                       \
+                    }                                                                                           \
+                }                                                                                               \
+                free(w);                                                                                        \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+BLOCK_MATMUL(q4_matmul, dequantize_q4_1, Q4_1_BYTES)
+BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
 
 /* ---- attention of one-token queries over the paged cache ----
  * q: [S] rows of q_stride floats, heads of D at h * D; caches: [blocks][block_size][kv_heads][D];
@@ -190,23 +289,43 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
                             const float *k_cache, const float *v_cache, int64_t block_size, int64_t kv_heads,
                             const int64_t *block_tables, int64_t table_stride, const int32_t *context_lens,
                             int64_t max_context, float scale, float *out) {
-    const int64_t group = H / kv_heads;
+    const int64_t group = H / kv_heads, row_len = max_context + VLEN; /* a score row: whole vectors of positions */
 #pragma omp parallel
     {
-        float *scores = malloc((size_t)(group * max_context * 4));
-        float *acc = malloc((size_t)(group * D * 4));
+        const int64_t padded_group = (group + HEAD_TILE - 1) / HEAD_TILE * HEAD_TILE;
+        float *scores = calloc((size_t)(padded_group * row_len), 4); /* the padding heads' weights stay 0 */
+        float *acc = malloc((size_t)(padded_group * D * 4));
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < S * kv_heads; task++) {
             const int64_t s = task / kv_heads, g = task % kv_heads, n = context_lens[s];
             const float *qs = q + s * q_stride + g * group * D;
             const int64_t *table = block_tables + s * table_stride;
-            for (int64_t p = 0; p < n; p++) {
-                const int64_t slot = table[p / block_size] * block_size + p % block_size;
-                const float *k = k_cache + (slot * kv_heads + g) * D;
-                for (int64_t h = 0; h < group; h++) scores[h * max_context + p] = dot(qs + h * D, k, D) * scale;
+            if (D % VLEN == 0) {
+                for (int64_t p0 = 0; p0 < n; p0 += VLEN) { /* VLEN positions' dot products, summed together */
+                    for (int64_t p = p0 + VLEN; p < p0 + 2 * VLEN && p < n; p++) /* the next ones' keys */
+                        for (int64_t c = 0; c < D; c += 16)
+                            __builtin_prefetch(k_cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D + c, 0, 3);
+                    for (int64_t h = 0; h < group; h++) {
+                        vf partial[VLEN];
+                        for (int64_t j = 0; j < VLEN; j++) {
+                            partial[j] = (vf){0};
+                            if (p0 + j >= n) continue;
+                            const int64_t p = p0 + j, slot = table[p / block_size] * block_size + p % block_size;
+                            const float *k = k_cache + (slot * kv_heads + g) * D, *qh = qs + h * D;
+                            for (int64_t c = 0; c < D; c += VLEN) partial[j] += load(qh + c) * load(k + c);
+                        }
+                        store(scores + h * row_len + p0, lane_sums(partial) * scale);
+                    }
+                }
+            } else {
+                for (int64_t p = 0; p < n; p++) {
+                    const int64_t slot = table[p / block_size] * block_size + p % block_size;
+                    const float *k = k_cache + (slot * kv_heads + g) * D;
+                    for (int64_t h = 0; h < group; h++) scores[h * row_len + p] = dot(qs + h * D, k, D) * scale;
+                }
             }
             for (int64_t h = 0; h < group; h++) {
-                float *row = scores + h * max_context;
+                float *row = scores + h * row_len;
                 vf top = splat(-INFINITY);
                 int64_t p = 0;
                 for (; p + VLEN <= n; p += VLEN) top = vmax(top, load(row + p));
@@ -221,31 +340,34 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
                 const float inverse = 1.0f / sum;
                 for (p = 0; p < n; p++) row[p] *= inverse;
             }
-            for (int64_t h = 0; h < group; h++) {
-                const float *weights = scores + h * max_context;
-                float *a = acc + h * D;
+            /* each value row read once for HEAD_TILE heads: their accumulators stay in registers over the context */
+            for (int64_t h0 = 0; h0 < group; h0 += HEAD_TILE) {
+                const float *weights = scores + h0 * row_len;
                 int64_t c = 0;
-                for (; c + 4 * VLEN <= D; c += 4 * VLEN) { /* four accumulators held in registers over the context */
-                    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (; c + VALUE_CHUNK * VLEN <= D; c += VALUE_CHUNK * VLEN) {
+                    vf sums[HEAD_TILE][VALUE_CHUNK] = {{{0}}};
                     for (int64_t p = 0; p < n; p++) {
                         const float *v = v_cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D + c;
-                        const vf w = splat(weights[p]);
-                        a0 += w * load(v);
-                        a1 += w * load(v + VLEN);
-                        a2 += w * load(v + 2 * VLEN);
-                        a3 += w * load(v + 3 * VLEN);
+                        if (p + VLEN < n)
+                            __builtin_prefetch(v_cache + ((table[(p + VLEN) / block_size] * block_size + (p + VLEN) % block_size) * kv_heads + g) * D + c, 0, 3);
+                        vf values[VALUE_CHUNK];
+                        for (int i = 0; i < VALUE_CHUNK; i++) values[i] = load(v + i * VLEN);
+                        for (int hh = 0; hh < HEAD_TILE; hh++) {
+                            const vf w = splat(weights[hh * row_len + p]);
+                            for (int i = 0; i < VALUE_CHUNK; i++) sums[hh][i] += w * values[i];
+                        }
                     }
-                    store(a + c, a0);
-                    store(a + c + VLEN, a1);
-                    store(a + c + 2 * VLEN, a2);
-                    store(a + c + 3 * VLEN, a3);
+                    for (int hh = 0; hh < HEAD_TILE; hh++)
+                        for (int i = 0; i < VALUE_CHUNK; i++) store(acc + (h0 + hh) * D + c + i * VLEN, sums[hh][i]);
                 }
-                for (; c < D; c++) {
-                    float sum = 0.0f;
-                    for (int64_t p = 0; p < n; p++)
-                        sum += weights[p] * v_cache[((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D + c];
-                    a[c] = sum;
-                }
+                for (; c < D; c++)
+                    for (int hh = 0; hh < HEAD_TILE; hh++) {
+                        float sum = 0.0f;
+                        for (int64_t p = 0; p < n; p++)
+                            sum += weights[hh * row_len + p]
+                                 * v_cache[((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D + c];
+                        acc[(h0 + hh) * D + c] = sum;
+                    }
             }
             memcpy(out + (s * H + g * group) * D, acc, (size_t)(group * D * 4));
         }
