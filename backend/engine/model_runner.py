@@ -4,6 +4,7 @@ that matter (sampling positions, prompt chunks asked for) come back as logits an
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,8 @@ from backend.engine.input_batch import InputBuffers, StepInputs
 from backend.engine.lora_slots import LoraSlotPool
 from backend.engine.scheduler import ScheduledSequence
 from backend.engine.sequence import Sequence
-from backend.layers.linear import candidates, choose_format
+from backend.layers.attention import AttentionMetadata
+from backend.layers.linear import Choice, candidates, choose_format, fastest_run
 from backend.model_files import cpu_ops_dir
 from backend.layers.lora import LayerLora
 from backend.models import registry
@@ -83,10 +85,28 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     model = registry.from_pretrained(model_dir, torch.float32, device)
     q4 = read_q4_1_blocks(model_dir, model.arch)
     options = candidates(config.weight_format, dtype, has_q4=q4 is not None)
-    choice = choose_format(options, model.projection_weights(0), None if q4 is None else q4[0],
-                           model.head_weight(), model.arch.num_layers)
-    model.use_weight_format(choice, q4)
-    return model.to(choice.dtype), choice.describe()
+
+    def in_format(model: LlamaForCausalLM, choice: Choice) -> LlamaForCausalLM:
+        model.use_weight_format(choice, q4)
+        return model.to(choice.dtype)
+
+    choice = choose_format(options, lambda option: _decode_step_seconds(in_format(copy.deepcopy(model), option)))
+    return in_format(model, choice), choice.describe()
+
+
+def _decode_step_seconds(model: LlamaForCausalLM) -> float:
+    """The fastest decode steps of 1 and 16 tokens (one cached token each) through the model and its LM head."""
+    arch, dtype, total = model.arch, model.embed_tokens.weight.dtype, 0.0
+    with torch.inference_mode():
+        for tokens in (1, 16):
+            caches = [(torch.zeros(tokens, 16, arch.num_kv_heads, arch.head_dim, dtype=dtype),
+                       torch.zeros(tokens, 16, arch.num_kv_heads, arch.head_dim, dtype=dtype))
+                      for _ in range(arch.num_layers)]
+            meta = AttentionMetadata(torch.arange(tokens) * 16, tokens, torch.arange(tokens)[:, None],
+                                     torch.ones(tokens, dtype=torch.int32))
+            token_ids, positions = torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long)
+            total += fastest_run(lambda: model.compute_logits(model(token_ids, positions, meta, caches)[0]))
+    return total
 
 
 class ModelRunner:

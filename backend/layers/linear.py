@@ -6,7 +6,8 @@ read on any AVX2 CPU; the CPU ops' int4 kernel (kernels/cpu) reads the checkpoin
 fp16's bytes, and dequantizes them in registers (memory-bound one token at a time with AVX-512, compute-bound
 with AVX2 only); bf16 weights and activations, and torch's int4 weight-only kernel, are fast only on CPUs with
 bf16 hardware (AVX512-BF16, AMX) and much slower without it. `choose_format` times the candidates on the
-model's own layer shapes at load and keeps the fastest one that is exact or near-exact for the checkpoint:
+model itself at load (decode steps in each format) and keeps the fastest one that is exact or near-exact for the
+checkpoint:
 
 | format | weights | activations | numerics | auto may pick it |
 |---|---|---|---|---|
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,47 +256,26 @@ def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[
     return choices
 
 
-def choose_format(options: list[Choice], layer_weights: list[torch.Tensor], layer_q4: list[Q4Weight] | None,
-                  head_weight: torch.Tensor, num_layers: int) -> Choice:
-    """The fastest option for a step's projections, timed at 1 and 16 tokens: one layer's (the fastest of five
-    runs) times num_layers, plus the LM head's; logged with the figures. One option is not timed."""
+def choose_format(options: list[Choice], step_seconds: Callable[[Choice], float]) -> Choice:
+    """The option whose model steps fastest (`step_seconds`: decode steps of the whole model in that format, so
+    what a format saves outside the matmuls counts too), logged with the figures. One option is not timed."""
     if len(options) == 1:
         return options[0]
     timings = {}
     for option in options:
         try:
-            timings[option] = _time_option(option, layer_weights, layer_q4, head_weight, num_layers)
+            timings[option] = step_seconds(option)
         except RuntimeError as error:  # e.g. a oneDNN kernel this CPU lacks
             log.info("weight format %s unavailable here: %s", option.describe(), error)
     best = min(timings, key=timings.get)
-    log.info("weight formats timed (a step's projections: %d layers' + the LM head, at 1 and 16 tokens): %s → %s",
-             num_layers,
+    log.info("weight formats timed (decode steps of 1 and 16 tokens): %s → %s",
              ", ".join(f"{o.describe()} {t * 1e3:.1f} ms" for o, t in timings.items()), best.describe())
     return best
 
 
-def _time_option(option: Choice, layer_weights: list[torch.Tensor], layer_q4: list[Q4Weight] | None,
-                 head_weight: torch.Tensor, num_layers: int) -> float:
-    projections = [option.make(w, None, None if layer_q4 is None else q4)
-                   for w, q4 in zip(layer_weights, layer_q4 or [None] * len(layer_weights))]
-    head = option.make_head(head_weight)
-    total = 0.0
-    with torch.inference_mode():
-        for tokens in (1, 16):
-            inputs = [torch.randn(tokens, w.shape[1]).to(option.dtype) for w in layer_weights]
-            hidden = torch.randn(tokens, head_weight.shape[1]).to(option.dtype)
-
-            def layer() -> None:
-                for projection, x in zip(projections, inputs):
-                    projection(x)
-
-            total += num_layers * _fastest(layer) + _fastest(lambda: head(hidden))
-    return total
-
-
-def _fastest(run) -> float:
-    """The fastest of five runs after a warm-up (oneDNN and the int kernels set themselves up on first use): what
-    another process on the cores adds is noise, not cost."""
+def fastest_run(run: Callable[[], object]) -> float:
+    """Seconds of the fastest of five runs after a warm-up (oneDNN and the int kernels set themselves up on first
+    use): what another process on the cores adds is noise, not cost."""
     run()
     timings = []
     for _ in range(5):

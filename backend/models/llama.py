@@ -174,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         return [(owner, name) for owner in owners for name in owner.PROJECTIONS]
 
     def projection_weights(self, layer: int) -> list[torch.Tensor]:
-        """One layer's dense projection weights (what choose_format times)."""
+        """One layer's dense projection weights."""
         return [getattr(owner, name).weight for owner, name in self._projections(layer)]
 
     def head_weight(self) -> torch.Tensor:
