@@ -7,6 +7,7 @@ left, and the Python-backend stub exits cleanly: it gets through finalize, and t
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import stack_helpers
 from stack_helpers import StackProcess, command_line, descendant_pids
 
 GRACE_S = 3
@@ -120,4 +122,23 @@ def test_sigterm_stops_the_stack_cleanly(default_model_dir: Path, tmp_path: Path
     kernel_log = _kernel_log()
     if kernel_log is not None:  # e.g. "triton_python_b[12677]: segfault at 60 ... in triton_python_backend_stub"
         crashes = [line for line in kernel_log if f"triton_python_b[{stub}]" in line]
+        assert not crashes, crashes
+
+
+def test_a_model_that_fails_to_load_ends_serve_with_the_reason_and_no_stub_crash(default_model_dir: Path,
+                                                                                tmp_path: Path):
+    """The engine cannot build its CPU ops (an unwritable cache directory): Triton's load of the model fails,
+    serve exits non-zero saying why, and the stub unloads without a segfault (a failed initialize() gets no
+    finalize(): anything registered with the stub before the failure is the stub's to free)."""
+    stack = StackProcess(default_model_dir, tmp_path, ("--kv-cache-memory", "64MiB"), None)
+    before = _kernel_log()
+    with open(tmp_path / "serve.log", "wb") as log:
+        process = subprocess.run(stack.command, cwd=stack_helpers.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, timeout=STOP_MARGIN_S + 120,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1", "TRITONLLM_CACHE": "/proc/unwritable"})
+    assert process.returncode != 0, stack.logs()
+    assert "/proc/unwritable" in (tmp_path / "tritonserver.log").read_text(), stack.logs()  # the reason, logged
+    after = _kernel_log()
+    if before is not None and after is not None:
+        crashes = [line for line in after[len(before):] if "triton_python_b" in line]
         assert not crashes, crashes
