@@ -111,3 +111,21 @@ def test_mixed_step_of_decodes_and_prefill_chunks_keeps_greedy_outputs(default_m
         assert len(ours) == len(reference) == len(prompts[i])
         for a, b in zip(ours[1:], reference[1:]):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_the_formats_are_timed_on_a_copy_that_fits_in_half_the_memory_available(default_model_dir, monkeypatch):
+    """The whole model where twice its bytes fit (the real step), else its first layers only; never fewer than one;
+    the copy is the model's own numbers and leaves the model whole."""
+    from backend.engine import model_runner
+    from backend.models import registry
+
+    model = registry.from_pretrained(default_model_dir, torch.float32, torch.device("cpu"))
+    layer = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    for available, layers in [(None, 30), (4 * whole, 30), (2 * (whole - 20 * layer), 10), (1000, 1)]:
+        monkeypatch.setattr(model_runner, "_memory_available", lambda: available)
+        assert model_runner._probe_layers(model) == layers, available
+    copy = model_runner._copy(model, 10)
+    assert len(copy.layers) == 10 and len(model.layers) == 30
+    assert torch.equal(copy.layers[9].mlp.down_proj.weight, model.layers[9].mlp.down_proj.weight)
+    assert copy.layers[9].mlp.down_proj.weight.data_ptr() != model.layers[9].mlp.down_proj.weight.data_ptr()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from backend.config import EngineConfig
 from backend.engine.input_batch import InputBuffers, StepInputs
@@ -90,8 +91,43 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         model.use_weight_format(choice, q4)
         return model.to(choice.dtype)
 
-    choice = choose_format(options, lambda option: _decode_step_seconds(in_format(copy.deepcopy(model), option)))
+    if len(options) > 1:
+        layers = _probe_layers(model)
+        if layers < model.arch.num_layers:
+            log.info("weight formats timed on the model's first %d layers (a whole copy would not fit in the "
+                     "memory available)", layers)
+    choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
     return in_format(model, choice), choice.describe()
+
+
+def _probe_layers(model: LlamaForCausalLM) -> int:
+    """How many of the model's layers a copy to time the formats on may hold: all of them (the real step) when
+    that copy takes under half the memory available, else fewer."""
+    available = _memory_available()
+    if available is None:
+        return model.arch.num_layers
+    layer = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    rest = sum(p.numel() * p.element_size() for p in model.parameters()) - layer * len(model.layers)
+    return max(1, min(model.arch.num_layers, int((available / 2 - rest) // layer)))
+
+
+def _memory_available() -> int | None:
+    """Bytes of memory available (the kernel's estimate), None where unknown."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        return int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _copy(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
+    """A copy of the model with its first `layers` layers."""
+    every_layer = model.layers
+    model.layers = nn.ModuleList(list(every_layer)[:layers])
+    try:
+        return copy.deepcopy(model)
+    finally:
+        model.layers = every_layer
 
 
 def _decode_step_seconds(model: LlamaForCausalLM) -> float:
@@ -101,7 +137,7 @@ def _decode_step_seconds(model: LlamaForCausalLM) -> float:
         for tokens in (1, 16):
             caches = [(torch.zeros(tokens, 16, arch.num_kv_heads, arch.head_dim, dtype=dtype),
                        torch.zeros(tokens, 16, arch.num_kv_heads, arch.head_dim, dtype=dtype))
-                      for _ in range(arch.num_layers)]
+                      for _ in model.layers]
             meta = AttentionMetadata(torch.arange(tokens) * 16, tokens, torch.arange(tokens)[:, None],
                                      torch.ones(tokens, dtype=torch.int32))
             token_ids, positions = torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long)
