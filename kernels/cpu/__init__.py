@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-QUANT_BLOCK, Q4_1_BYTES = 32, 20  # as in cpu_ops.c
+QUANT_BLOCK = 32  # as in cpu_ops.c
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {

@@ -302,28 +302,23 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
             const int64_t s = task / kv_heads, g = task % kv_heads, n = context_lens[s];
             const float *qs = q + s * q_stride + g * group * D;
             const int64_t *table = block_tables + s * table_stride;
-            if (D % VLEN == 0) {
-                for (int64_t p0 = 0; p0 < n; p0 += VLEN) { /* VLEN positions' dot products, summed together */
-                    for (int64_t p = p0 + VLEN; p < p0 + 2 * VLEN && p < n; p++) /* the next ones' keys */
-                        for (int64_t c = 0; c < D; c += 16)
-                            __builtin_prefetch(k_cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D + c, 0, 3);
-                    for (int64_t h = 0; h < group; h++) {
-                        vf partial[VLEN];
-                        for (int64_t j = 0; j < VLEN; j++) {
-                            partial[j] = (vf){0};
-                            if (p0 + j >= n) continue;
-                            const int64_t p = p0 + j, slot = table[p / block_size] * block_size + p % block_size;
-                            const float *k = k_cache + (slot * kv_heads + g) * D, *qh = qs + h * D;
-                            for (int64_t c = 0; c < D; c += VLEN) partial[j] += load(qh + c) * load(k + c);
-                        }
-                        store(scores + h * row_len + p0, lane_sums(partial) * scale);
+/* this kv head's row of position p in a cache */
+#define head_row(cache, p) ((cache) + ((table[(p) / block_size] * block_size + (p) % block_size) * kv_heads + g) * D)
+            for (int64_t p0 = 0; p0 < n; p0 += VLEN) { /* VLEN positions' dot products, summed together */
+                for (int64_t p = p0 + VLEN; p < p0 + 2 * VLEN && p < n; p++) /* the next ones' keys */
+                    for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(head_row(k_cache, p) + c, 0, 3);
+                for (int64_t h = 0; h < group; h++) {
+                    const float *qh = qs + h * D;
+                    vf partial[VLEN];
+                    for (int64_t j = 0; j < VLEN; j++) {
+                        partial[j] = (vf){0};
+                        if (p0 + j >= n) continue;
+                        const float *k = head_row(k_cache, p0 + j);
+                        int64_t c = 0;
+                        for (; c + VLEN <= D; c += VLEN) partial[j] += load(qh + c) * load(k + c);
+                        for (; c < D; c++) partial[j][0] += qh[c] * k[c];
                     }
-                }
-            } else {
-                for (int64_t p = 0; p < n; p++) {
-                    const int64_t slot = table[p / block_size] * block_size + p % block_size;
-                    const float *k = k_cache + (slot * kv_heads + g) * D;
-                    for (int64_t h = 0; h < group; h++) scores[h * row_len + p] = dot(qs + h * D, k, D) * scale;
+                    store(scores + h * row_len + p0, lane_sums(partial) * scale);
                 }
             }
             for (int64_t h = 0; h < group; h++) {
@@ -349,9 +344,8 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
                 for (; c + VALUE_CHUNK * VLEN <= D; c += VALUE_CHUNK * VLEN) {
                     vf sums[HEAD_TILE][VALUE_CHUNK] = {{{0}}};
                     for (int64_t p = 0; p < n; p++) {
-                        const float *v = v_cache + ((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D + c;
-                        if (p + VLEN < n)
-                            __builtin_prefetch(v_cache + ((table[(p + VLEN) / block_size] * block_size + (p + VLEN) % block_size) * kv_heads + g) * D + c, 0, 3);
+                        const float *v = head_row(v_cache, p) + c;
+                        if (p + VLEN < n) __builtin_prefetch(head_row(v_cache, p + VLEN) + c, 0, 3);
                         vf values[VALUE_CHUNK];
                         for (int i = 0; i < VALUE_CHUNK; i++) values[i] = load(v + i * VLEN);
                         for (int hh = 0; hh < HEAD_TILE; hh++) {
@@ -366,8 +360,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
                     for (int hh = 0; hh < HEAD_TILE; hh++) {
                         float sum = 0.0f;
                         for (int64_t p = 0; p < n; p++)
-                            sum += weights[hh * row_len + p]
-                                 * v_cache[((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D + c];
+                            sum += weights[hh * row_len + p] * head_row(v_cache, p)[c];
                         acc[(h0 + hh) * D + c] = sum;
                     }
             }
@@ -377,6 +370,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
         free(scores);
     }
 }
+#undef head_row
 
 /* ---- per-token elementwise ops (rows of `width`; a strided input has its row stride passed) ---- */
 
