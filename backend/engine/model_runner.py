@@ -91,11 +91,10 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         model.use_weight_format(choice, q4)
         return model.to(choice.dtype)
 
-    if len(options) > 1:
-        layers = _probe_layers(model)
-        if layers < model.arch.num_layers:
-            log.info("weight formats timed on the model's first %d layers (a whole copy would not fit in the "
-                     "memory available)", layers)
+    layers = _probe_layers(model)
+    if len(options) > 1 and layers < model.arch.num_layers:
+        log.info("weight formats timed on the model's first %d layers (a whole copy would not fit in the "
+                 "memory available)", layers)
     choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
     return in_format(model, choice), choice.describe()
 
@@ -132,13 +131,12 @@ def _copy(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
 
 def _decode_step_seconds(model: LlamaForCausalLM) -> float:
     """The fastest decode steps of 1 and 16 tokens (one cached token each) through the model and its LM head."""
-    arch, dtype, total = model.arch, model.embed_tokens.weight.dtype, 0.0
+    arch, dtype, total, block_size = model.arch, model.embed_tokens.weight.dtype, 0.0, 16
     with torch.inference_mode():
-        for tokens in (1, 16):
-            caches = [(torch.zeros(tokens, 16, arch.num_kv_heads, arch.head_dim, dtype=dtype),
-                       torch.zeros(tokens, 16, arch.num_kv_heads, arch.head_dim, dtype=dtype))
-                      for _ in model.layers]
-            meta = AttentionMetadata(torch.arange(tokens) * 16, tokens, torch.arange(tokens)[:, None],
+        for tokens in (1, 16):  # a block each
+            shape = (tokens, block_size, arch.num_kv_heads, arch.head_dim)
+            caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
+            meta = AttentionMetadata(torch.arange(tokens) * block_size, tokens, torch.arange(tokens)[:, None],
                                      torch.ones(tokens, dtype=torch.int32))
             token_ids, positions = torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long)
             total += fastest_run(lambda: model.compute_logits(model(token_ids, positions, meta, caches)[0]))
