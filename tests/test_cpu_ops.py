@@ -14,6 +14,7 @@ from kernels import cpu
 from kernels.activation import silu_and_mul_reference
 from kernels.decode_attention import paged_decode_attention_reference
 from kernels.kv_cache import store_kv_cache_reference
+from kernels.prefill_attention import prefill_attention_reference
 from kernels.rms_norm import rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
 
@@ -168,6 +169,39 @@ def test_paged_decode_attention(heads, kv_heads, head_dim):
     ours = cpu.paged_decode_attention(q, k_cache, v_cache, wide[:seqs, :7], lens, head_dim ** -0.5)
     torch.testing.assert_close(ours, paged_decode_attention_reference(q, k_cache, v_cache, tables, lens,
                                                                       head_dim ** -0.5), **CLOSE)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 72)])
+def test_paged_prefill_attention(heads, kv_heads, head_dim):
+    """Chunks of fresh prompts and chunks after a cached prefix (their queries are the context's last positions)."""
+    block_size, blocks = 16, 60
+    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim) for _ in range(2))
+    query_lens = torch.tensor([1, 37, 16, 5], dtype=torch.int32)
+    context_lens = torch.tensor([1, 37, 80, 150], dtype=torch.int32)  # the last two follow 64 and 145 cached
+    query_starts = torch.cumsum(query_lens, 0, dtype=torch.int32) - query_lens
+    tables = torch.randperm(blocks)[:4 * 10].view(4, 10)
+    wide = torch.zeros(6, 12, dtype=torch.int64)  # the runner's tables are views of a wider buffer
+    wide[:4, :10] = tables
+    rows = int(query_lens.sum())
+    q = torch.randn(rows, heads + 2 * kv_heads, head_dim)[:, :heads] * 3  # strided rows, as split from qkv
+    ours = cpu.prefill_attention(q, k_cache, v_cache, query_starts, query_lens, context_lens, wide[:4, :10],
+                                 head_dim ** -0.5)
+    torch.testing.assert_close(ours, prefill_attention_reference(q, k_cache, v_cache, query_starts, query_lens,
+                                                                 context_lens, tables, head_dim ** -0.5), **CLOSE)
+
+
+def test_a_prefill_row_equals_the_same_position_decoded():
+    """Prefill and decode rows run the same attention: a position's output does not depend on how it was batched."""
+    k_cache, v_cache = (torch.randn(20, 16, 3, 64) for _ in range(2))
+    tables = torch.randperm(20)[:8].view(1, 8)
+    q = torch.randn(40, 9, 64)
+    prefill = cpu.prefill_attention(q, k_cache, v_cache, torch.tensor([0], dtype=torch.int32),
+                                    torch.tensor([40], dtype=torch.int32), torch.tensor([100], dtype=torch.int32),
+                                    tables, 0.125)
+    for row in (0, 17, 39):
+        decoded = cpu.paged_decode_attention(q[row:row + 1], k_cache, v_cache, tables,
+                                             torch.tensor([60 + row + 1], dtype=torch.int32), 0.125)
+        assert torch.equal(decoded[0], prefill[row])
 
 
 def test_the_engine_ops_use_them_on_float32_cpu_tensors(monkeypatch):

@@ -24,6 +24,7 @@ import torch
 
 from kernels.decode_attention import paged_decode_attention_reference
 from kernels.kv_cache import store_kv_cache_reference
+from kernels.prefill_attention import prefill_attention_reference
 from kernels.rotary import rotary_embedding_reference
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ SIGNATURES = {
     "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p],
+    "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p],
     "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
     "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p],
@@ -199,6 +201,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _library.paged_decode_attention(q.data_ptr(), q.stride(0), seqs, heads, head_dim, k_cache.data_ptr(),
                                      v_cache.data_ptr(), block_size, kv_heads, tables.data_ptr(), tables.stride(0),
                                      lens.data_ptr(), tables.shape[1] * block_size, scale, out.data_ptr())
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
+                      query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    if not (_rows(q) and block_tables.dtype == torch.int64 and
+            all(t.dtype == torch.int32 for t in (query_starts, query_lens, context_lens))):
+        return prefill_attention_reference(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables,
+                                           scale)
+    rows, heads, head_dim = q.shape
+    out = torch.empty(rows, heads, head_dim, dtype=torch.float32)
+    tables = _table(block_tables)
+    starts, lens, contexts = query_starts.contiguous(), query_lens.contiguous(), context_lens.contiguous()
+    _library.paged_prefill_attention(q.data_ptr(), q.stride(0), len(starts), starts.data_ptr(), lens.data_ptr(),
+                                      contexts.data_ptr(), heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                                      k_cache.shape[1], k_cache.shape[2], tables.data_ptr(), tables.stride(0), scale,
+                                      out.data_ptr())
     return out
 
 

@@ -284,93 +284,151 @@ MICROKERNEL(1, 1)
 BLOCK_MATMUL(q4_matmul, dequantize_q4_1, Q4_1_BYTES)
 BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
 
-/* ---- attention of one-token queries over the paged cache ----
- * q: [S] rows of q_stride floats, heads of D at h * D; caches: [blocks][block_size][kv_heads][D];
- * block_tables: [S][table_stride] int64; out: [S][H][D]. Query heads g * G .. g * G + G - 1 read kv head g. */
+/* ---- attention over the paged cache ----
+ * Caches: [blocks][block_size][kv_heads][D]; a sequence's block table lists its blocks. Query heads g * G ..
+ * g * G + G - 1 read kv head g. */
+
+typedef struct { /* one thread's scratch: scores of G heads over the longest context, and their outputs */
+    float *scores, *acc;
+    int64_t row_len;
+} AttentionScratch;
+
+static AttentionScratch scratch_for(int64_t group, int64_t D, int64_t max_context) {
+    const int64_t padded_group = (group + HEAD_TILE - 1) / HEAD_TILE * HEAD_TILE;
+    const int64_t row_len = max_context + VLEN; /* a score row: whole vectors of positions */
+    /* calloc: the padding heads' weights stay 0 */
+    return (AttentionScratch){calloc((size_t)(padded_group * row_len), 4), malloc((size_t)(padded_group * D * 4)),
+                              row_len};
+}
+
+static void free_scratch(AttentionScratch scratch) {
+    free(scratch.acc);
+    free(scratch.scores);
+}
+
+/* One query position's G heads (qs: G heads of D back to back) attending to the first n positions of a sequence
+ * (table: its blocks) through kv head g; out: G heads of D. Decode and prefill rows both come here, so a
+ * position's result does not depend on how it was batched. */
+static void attend(const float *qs, int64_t group, int64_t D, int64_t n, const int64_t *table, const float *k_cache,
+                   const float *v_cache, int64_t block_size, int64_t kv_heads, int64_t g, float scale,
+                   AttentionScratch scratch, float *out) {
+    float *const scores = scratch.scores, *const acc = scratch.acc;
+    const int64_t row_len = scratch.row_len;
+/* this kv head's row of position p in a cache */
+#define head_row(cache, p) ((cache) + ((table[(p) / block_size] * block_size + (p) % block_size) * kv_heads + g) * D)
+    for (int64_t p0 = 0; p0 < n; p0 += VLEN) { /* VLEN positions' dot products, summed together */
+        for (int64_t p = p0 + VLEN; p < p0 + 2 * VLEN && p < n; p++) /* the next ones' keys */
+            for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(head_row(k_cache, p) + c, 0, 3);
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = qs + h * D;
+            vf partial[VLEN];
+            for (int64_t j = 0; j < VLEN; j++) {
+                partial[j] = (vf){0};
+                if (p0 + j >= n) continue;
+                const float *k = head_row(k_cache, p0 + j);
+                int64_t c = 0;
+                for (; c + VLEN <= D; c += VLEN) partial[j] += load(qh + c) * load(k + c);
+                for (; c < D; c++) partial[j][0] += qh[c] * k[c];
+            }
+            store(scores + h * row_len + p0, lane_sums(partial) * scale);
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float *row = scores + h * row_len;
+        vf top = splat(-INFINITY);
+        int64_t p = 0;
+        for (; p + VLEN <= n; p += VLEN) top = vmax(top, load(row + p));
+        float highest = -INFINITY;
+        for (int i = 0; i < VLEN; i++) highest = top[i] > highest ? top[i] : highest;
+        for (; p < n; p++) highest = row[p] > highest ? row[p] : highest;
+        for (p = 0; p < n; p++) row[p] = exp_approx(row[p] - highest);
+        vf total = {0};
+        for (p = 0; p + VLEN <= n; p += VLEN) total += load(row + p);
+        float sum = lane_sum(total);
+        for (; p < n; p++) sum += row[p];
+        const float inverse = 1.0f / sum;
+        for (p = 0; p < n; p++) row[p] *= inverse;
+    }
+    /* each value row read once for HEAD_TILE heads: their accumulators stay in registers over the context */
+    for (int64_t h0 = 0; h0 < group; h0 += HEAD_TILE) {
+        const float *weights = scores + h0 * row_len;
+        int64_t c = 0;
+        for (; c + VALUE_CHUNK * VLEN <= D; c += VALUE_CHUNK * VLEN) {
+            vf sums[HEAD_TILE][VALUE_CHUNK] = {{{0}}};
+            for (int64_t p = 0; p < n; p++) {
+                const float *v = head_row(v_cache, p) + c;
+                if (p + VLEN < n) __builtin_prefetch(head_row(v_cache, p + VLEN) + c, 0, 3);
+                vf values[VALUE_CHUNK];
+                for (int i = 0; i < VALUE_CHUNK; i++) values[i] = load(v + i * VLEN);
+                for (int hh = 0; hh < HEAD_TILE; hh++) {
+                    const vf w = splat(weights[hh * row_len + p]);
+                    for (int i = 0; i < VALUE_CHUNK; i++) sums[hh][i] += w * values[i];
+                }
+            }
+            for (int hh = 0; hh < HEAD_TILE; hh++)
+                for (int i = 0; i < VALUE_CHUNK; i++) store(acc + (h0 + hh) * D + c + i * VLEN, sums[hh][i]);
+        }
+        for (; c < D; c++)
+            for (int hh = 0; hh < HEAD_TILE; hh++) {
+                float sum = 0.0f;
+                for (int64_t p = 0; p < n; p++) sum += weights[hh * row_len + p] * head_row(v_cache, p)[c];
+                acc[(h0 + hh) * D + c] = sum;
+            }
+    }
+#undef head_row
+    memcpy(out, acc, (size_t)(group * D * 4));
+}
+
+/* One-token queries: q [S] rows of q_stride floats, heads of D at h * D; sequence s attends to its first
+ * context_lens[s] positions; block_tables: [S][table_stride] int64; out: [S][H][D]. */
 void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t H, int64_t D,
                             const float *k_cache, const float *v_cache, int64_t block_size, int64_t kv_heads,
                             const int64_t *block_tables, int64_t table_stride, const int32_t *context_lens,
                             int64_t max_context, float scale, float *out) {
-    const int64_t group = H / kv_heads, row_len = max_context + VLEN; /* a score row: whole vectors of positions */
+    const int64_t group = H / kv_heads;
 #pragma omp parallel
     {
-        const int64_t padded_group = (group + HEAD_TILE - 1) / HEAD_TILE * HEAD_TILE;
-        float *scores = calloc((size_t)(padded_group * row_len), 4); /* the padding heads' weights stay 0 */
-        float *acc = malloc((size_t)(padded_group * D * 4));
+        const AttentionScratch scratch = scratch_for(group, D, max_context);
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < S * kv_heads; task++) {
-            const int64_t s = task / kv_heads, g = task % kv_heads, n = context_lens[s];
-            const float *qs = q + s * q_stride + g * group * D;
-            const int64_t *table = block_tables + s * table_stride;
-/* this kv head's row of position p in a cache */
-#define head_row(cache, p) ((cache) + ((table[(p) / block_size] * block_size + (p) % block_size) * kv_heads + g) * D)
-            for (int64_t p0 = 0; p0 < n; p0 += VLEN) { /* VLEN positions' dot products, summed together */
-                for (int64_t p = p0 + VLEN; p < p0 + 2 * VLEN && p < n; p++) /* the next ones' keys */
-                    for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(head_row(k_cache, p) + c, 0, 3);
-                for (int64_t h = 0; h < group; h++) {
-                    const float *qh = qs + h * D;
-                    vf partial[VLEN];
-                    for (int64_t j = 0; j < VLEN; j++) {
-                        partial[j] = (vf){0};
-                        if (p0 + j >= n) continue;
-                        const float *k = head_row(k_cache, p0 + j);
-                        int64_t c = 0;
-                        for (; c + VLEN <= D; c += VLEN) partial[j] += load(qh + c) * load(k + c);
-                        for (; c < D; c++) partial[j][0] += qh[c] * k[c];
-                    }
-                    store(scores + h * row_len + p0, lane_sums(partial) * scale);
-                }
-            }
-            for (int64_t h = 0; h < group; h++) {
-                float *row = scores + h * row_len;
-                vf top = splat(-INFINITY);
-                int64_t p = 0;
-                for (; p + VLEN <= n; p += VLEN) top = vmax(top, load(row + p));
-                float highest = -INFINITY;
-                for (int i = 0; i < VLEN; i++) highest = top[i] > highest ? top[i] : highest;
-                for (; p < n; p++) highest = row[p] > highest ? row[p] : highest;
-                for (p = 0; p < n; p++) row[p] = exp_approx(row[p] - highest);
-                vf total = {0};
-                for (p = 0; p + VLEN <= n; p += VLEN) total += load(row + p);
-                float sum = lane_sum(total);
-                for (; p < n; p++) sum += row[p];
-                const float inverse = 1.0f / sum;
-                for (p = 0; p < n; p++) row[p] *= inverse;
-            }
-            /* each value row read once for HEAD_TILE heads: their accumulators stay in registers over the context */
-            for (int64_t h0 = 0; h0 < group; h0 += HEAD_TILE) {
-                const float *weights = scores + h0 * row_len;
-                int64_t c = 0;
-                for (; c + VALUE_CHUNK * VLEN <= D; c += VALUE_CHUNK * VLEN) {
-                    vf sums[HEAD_TILE][VALUE_CHUNK] = {{{0}}};
-                    for (int64_t p = 0; p < n; p++) {
-                        const float *v = head_row(v_cache, p) + c;
-                        if (p + VLEN < n) __builtin_prefetch(head_row(v_cache, p + VLEN) + c, 0, 3);
-                        vf values[VALUE_CHUNK];
-                        for (int i = 0; i < VALUE_CHUNK; i++) values[i] = load(v + i * VLEN);
-                        for (int hh = 0; hh < HEAD_TILE; hh++) {
-                            const vf w = splat(weights[hh * row_len + p]);
-                            for (int i = 0; i < VALUE_CHUNK; i++) sums[hh][i] += w * values[i];
-                        }
-                    }
-                    for (int hh = 0; hh < HEAD_TILE; hh++)
-                        for (int i = 0; i < VALUE_CHUNK; i++) store(acc + (h0 + hh) * D + c + i * VLEN, sums[hh][i]);
-                }
-                for (; c < D; c++)
-                    for (int hh = 0; hh < HEAD_TILE; hh++) {
-                        float sum = 0.0f;
-                        for (int64_t p = 0; p < n; p++)
-                            sum += weights[hh * row_len + p] * head_row(v_cache, p)[c];
-                        acc[(h0 + hh) * D + c] = sum;
-                    }
-            }
-            memcpy(out + (s * H + g * group) * D, acc, (size_t)(group * D * 4));
+            const int64_t s = task / kv_heads, g = task % kv_heads;
+            attend(q + s * q_stride + g * group * D, group, D, context_lens[s], block_tables + s * table_stride,
+                   k_cache, v_cache, block_size, kv_heads, g, scale, scratch, out + (s * H + g * group) * D);
         }
-        free(acc);
-        free(scores);
+        free_scratch(scratch);
     }
 }
-#undef head_row
+
+/* Prefill chunks, causal: chunk c's queries are rows query_starts[c] .. + query_lens[c] of q (rows of q_stride
+ * floats) and the last query_lens[c] of its context_lens[c] positions (those before: a cached prefix or earlier
+ * chunks); each attends to its own position and the ones before. block_tables: [chunks][table_stride] int64;
+ * out: [rows][H][D]. */
+void paged_prefill_attention(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
+                             const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
+                             const float *k_cache, const float *v_cache, int64_t block_size, int64_t kv_heads,
+                             const int64_t *block_tables, int64_t table_stride, float scale, float *out) {
+    const int64_t group = H / kv_heads;
+    int64_t rows = 0, max_context = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        rows = query_starts[c] + query_lens[c] > rows ? query_starts[c] + query_lens[c] : rows;
+        max_context = context_lens[c] > max_context ? context_lens[c] : max_context;
+    }
+#pragma omp parallel
+    {
+        const AttentionScratch scratch = scratch_for(group, D, max_context);
+        int64_t c = 0; /* the chunk of the last task (tasks come in row order to each thread) */
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < rows * kv_heads; task++) {
+            const int64_t row = task / kv_heads, g = task % kv_heads;
+            if (row < query_starts[c]) c = 0;
+            while (row >= query_starts[c] + query_lens[c]) c++;
+            const int64_t position = context_lens[c] - query_lens[c] + (row - query_starts[c]);
+            attend(q + row * q_stride + g * group * D, group, D, position + 1, block_tables + c * table_stride,
+                   k_cache, v_cache, block_size, kv_heads, g, scale, scratch, out + (row * H + g * group) * D);
+        }
+        free_scratch(scratch);
+    }
+}
 
 /* ---- per-token elementwise ops (rows of `width`; a strided input has its row stride passed) ---- */
 
