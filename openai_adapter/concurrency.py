@@ -2,6 +2,7 @@
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import TypeVar
 
 from openai_adapter.errors import client_disconnected
@@ -17,8 +18,14 @@ async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T
     """Items of several async iterators as they arrive, each tagged with its iterator's position.
 
     Each iterator runs in its own task, so leaving this generator early, or the first failure (which is
-    re-raised here), cancels every task still running and so closes its iterator.
+    re-raised here), cancels every task still running and so closes its iterator. A lone iterator (most
+    requests) is read in place: no task, no queue between its items and the caller.
     """
+    if len(iterators) == 1:
+        async with aclosing(iterators[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def forward(index: int, iterator: AsyncIterator[T]) -> None:

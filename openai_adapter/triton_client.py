@@ -123,12 +123,15 @@ class TritonClient:
         self._settings = settings
         self._client = InferenceServerClient(settings.triton_url, channel_args=_CHANNEL_ARGS)
         self._refusal: AdapterError | None = None  # set by cancel_all: what every call gets from then on
-        self._cancelled = asyncio.Event()
+        self._waiting: set[asyncio.Task] = set()  # the tasks waiting for a response now
+        self._refused: set[asyncio.Task] = set()  # those of them cancel_all cancelled
 
     def cancel_all(self, error: AdapterError) -> None:
         """Fail every call in flight, and every later one, with `error` (their Triton requests are cancelled)."""
         self._refusal = error
-        self._cancelled.set()
+        for task in self._waiting - self._refused:
+            self._refused.add(task)
+            task.cancel()
 
     async def close(self) -> None:
         await self._client.close()
@@ -209,24 +212,27 @@ class TritonClient:
 
     async def _next_response(self, responses) -> tuple | None:
         """The call's next (result, error); None once it has ended. Raises the idle timeout's 504, or cancel_all's
-        error. (The read runs as a task of its own, so giving up on it cancels the gRPC call, not our caller.)"""
-        read = asyncio.ensure_future(anext(responses))
-        cancelled = asyncio.ensure_future(self._cancelled.wait())
-        try:
-            await asyncio.wait({read, cancelled}, timeout=self._settings.idle_timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            cancelled.cancel()
-            read.cancel()  # (no-op once done)
-        if read.done() and not read.cancelled():
-            try:
-                return read.result()
-            except StopAsyncIteration:
-                return None
+        error. Either cancels the read, which cancels the gRPC call. (It waits in the caller's task, under a
+        timeout: a task per response cost the adapter as much as parsing the response.)"""
         if self._refusal is not None:
             raise self._refusal
-        raise gateway_timeout(f"Triton sent nothing for {self._settings.idle_timeout_s} s (the idle timeout: "
-                              "no token for that long).")
+        waiting = asyncio.current_task()
+        self._waiting.add(waiting)
+        try:
+            async with asyncio.timeout(self._settings.idle_timeout_s):
+                return await anext(responses)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise gateway_timeout(f"Triton sent nothing for {self._settings.idle_timeout_s} s (the idle timeout: "
+                                  "no token for that long).") from None
+        except asyncio.CancelledError:
+            if waiting not in self._refused or waiting.uncancel() > 0:  # (also) cancelled by someone else
+                raise
+            raise self._refusal from None
+        finally:
+            self._waiting.discard(waiting)
+            self._refused.discard(waiting)
 
     def _error_from_rpc(self, error: grpc.aio.AioRpcError) -> AdapterError:
         code = error.code()
@@ -269,7 +275,8 @@ def _bytes_array(text: str) -> np.ndarray:
     return np.array([text.encode()], dtype=np.object_)
 
 
-def _parse_response(result: InferResult) -> TritonChunk:
+def _parse_response(response: InferResult) -> TritonChunk:
+    result = _Outputs(response)
     texts = _strings(result, "text_output")
     count = len(texts)
     finish_reasons = _strings(result, "finish_reason") or [RUNNING] * count
@@ -302,12 +309,24 @@ def _parse_response(result: InferResult) -> TritonChunk:
     )
 
 
-def _strings(result: InferResult, name: str) -> list[str]:
+class _Outputs:
+    """A response's outputs by name: only those it has are looked up and decoded (a streamed token's response has 6
+    of the 16 that may come)."""
+
+    def __init__(self, result: InferResult):
+        self._result = result
+        self._names = {output.name for output in result.get_response().outputs}
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        return self._result.as_numpy(name) if name in self._names else None
+
+
+def _strings(result: InferResult | _Outputs, name: str) -> list[str]:
     array = result.as_numpy(name)
     return [] if array is None else [item.decode() for item in array]
 
 
-def _ints(result: InferResult, name: str) -> list[int]:
+def _ints(result: InferResult | _Outputs, name: str) -> list[int]:
     array = result.as_numpy(name)
     return [] if array is None else [int(item) for item in array]
 

@@ -5,6 +5,8 @@ import json
 
 import numpy as np
 import pytest
+from tritonclient.grpc import InferResult, service_pb2
+from tritonclient.utils import serialize_byte_tensor
 
 from openai_adapter.completions import CompletionService, sampling_parameters
 from openai_adapter.concurrency import merge
@@ -283,17 +285,18 @@ async def test_echo_without_the_prompt_logprobs_it_needs_is_an_error():
     assert raised.value.status_code == 500
 
 
+def _infer_result(outputs: dict[str, list[bytes]]) -> InferResult:
+    """tritonclient's InferResult of a gRPC response with these BYTES outputs (as Triton sends them)."""
+    response = service_pb2.ModelInferResponse(model_name="llm")
+    for name, values in outputs.items():
+        response.outputs.add(name=name, datatype="BYTES", shape=[len(values)])
+        response.raw_output_contents.append(serialize_byte_tensor(np.array(values, dtype=np.object_)).item())
+    return InferResult(response)
+
+
 def test_triton_response_parsing_reads_matched_stop_and_prompt_logprobs():
-    class Result:  # the part of tritonclient's InferResult that _parse_response uses
-        def __init__(self, outputs: dict):
-            self.outputs = outputs
-
-        def as_numpy(self, name):
-            values = self.outputs.get(name)
-            return None if values is None else np.array(values, dtype=np.object_)
-
     chunk = _parse_response(
-        Result(
+        _infer_result(
             {
                 "text_output": [b" a", b" b", b""],
                 "finish_reason": [b"stop", b"stop", b"None"],
@@ -304,7 +307,7 @@ def test_triton_response_parsing_reads_matched_stop_and_prompt_logprobs():
     )
     assert [(c.finish_reason, c.matched_stop) for c in chunk.choices] == [("stop", "\n"), ("stop", 2), (None, None)]
     assert chunk.prompt_logprobs == _PROMPT_LOGPROBS
-    without = _parse_response(Result({"text_output": [b" a"]}))
+    without = _parse_response(_infer_result({"text_output": [b" a"]}))
     assert (without.choices[0].matched_stop, without.prompt_logprobs) == (None, None)
 
 
@@ -371,16 +374,27 @@ async def test_closing_a_stream_early_closes_every_triton_stream():
     assert sorted(triton.closed) == ["a", "b"]
 
 
-async def test_cancelling_the_consumer_closes_every_triton_stream():
-    triton = ScriptedTriton({"a": [], "b": []}, hang_after_script=True)
-    streams = [triton.generate(GenerateRequest(p, {}, stream=True), request_id=p) for p in "ab"]
+@pytest.mark.parametrize("prompts", ["a", "ab"])  # one stream is read in place, several through tasks
+async def test_cancelling_the_consumer_closes_every_triton_stream(prompts):
+    triton = ScriptedTriton({p: [] for p in prompts}, hang_after_script=True)
+    streams = [triton.generate(GenerateRequest(p, {}, stream=True), request_id=p) for p in prompts]
     consumer = asyncio.ensure_future(_collect(merge(streams)))
     await asyncio.sleep(0.01)
     consumer.cancel()
     with pytest.raises(asyncio.CancelledError):
         await consumer
     await asyncio.sleep(0)
-    assert sorted(triton.closed) == ["a", "b"]
+    assert sorted(triton.closed) == list(prompts)
+
+
+@pytest.mark.parametrize("prompts", ["a", "ab"])
+async def test_closing_the_merge_early_closes_every_triton_stream(prompts):
+    triton = ScriptedTriton({p: [_chunk((f" {p}", None, 1))] for p in prompts}, hang_after_script=True)
+    merged = merge([triton.generate(GenerateRequest(p, {}, stream=True), request_id=p) for p in prompts])
+    await anext(merged)
+    await merged.aclose()
+    await asyncio.sleep(0)
+    assert sorted(triton.closed) == list(prompts)
 
 
 def _events_payloads(events: list[str]) -> list:
@@ -439,10 +453,5 @@ async def test_routed_experts_go_in_sglext_per_choice_index_and_only_when_asked(
 
 
 def test_triton_response_parsing_reads_routed_experts():
-    class Result:
-        def as_numpy(self, name):
-            outputs = {"text_output": [b" a", b" b"], "routed_experts": [b"[[[0, 1]]]", b"[]"]}
-            return np.array(outputs[name], dtype=np.object_) if name in outputs else None
-
-    chunk = _parse_response(Result())
+    chunk = _parse_response(_infer_result({"text_output": [b" a", b" b"], "routed_experts": [b"[[[0, 1]]]", b"[]"]}))
     assert [choice.routed_experts for choice in chunk.choices] == [[[[0, 1]]], []]

@@ -3,6 +3,7 @@ X-Request-Timeout header) and HEAD on the GET routes, against a stand-in Triton 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
@@ -11,7 +12,10 @@ from fastapi.testclient import TestClient
 
 from fake_triton import FakeTriton, Script
 from openai_adapter import AdapterSettings, create_app
+from openai_adapter.concurrency import merge
 from openai_adapter.deadlines import REQUEST_TIMEOUT_HEADER
+from openai_adapter.errors import AdapterError, service_unavailable
+from openai_adapter.triton_client import GenerateRequest, TritonClient
 
 MODEL = "fake-model"
 
@@ -129,3 +133,35 @@ def test_head_on_a_post_route_is_still_refused(triton):
     with _client(triton) as client:
         response = client.head("/v1/completions")
     assert response.status_code == 405 and response.content == b""
+
+
+# --- cancel_all (the drain's end) ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompts", [1, 2])  # one call waits in its caller's task, two in a task each
+def test_cancel_all_fails_every_waiting_call_with_its_error_and_cancels_them(triton, prompts):
+    async def run() -> tuple[list, list]:
+        client = TritonClient(AdapterSettings(served_model_name=MODEL, triton_url=triton.url, idle_timeout_s=30))
+        stalled = Script(count=5, interval_s=0.01, stall_after=1)
+        calls = [client.generate(GenerateRequest(stalled.prompt(), {}, stream=True), request_id=f"cancel-all-{prompts}-{i}")
+                 for i in range(prompts)]
+        received = []
+
+        async def consume():
+            async for item in merge(calls):
+                received.append(item)
+
+        consumer = asyncio.ensure_future(consume())
+        while len(received) < prompts:  # each has its first token and waits for the next
+            await asyncio.sleep(0.01)
+        client.cancel_all(service_unavailable("the server is shutting down"))
+        results = await asyncio.wait_for(asyncio.gather(consumer, return_exceptions=True), 5)
+        with pytest.raises(AdapterError, match="shutting down"):  # and every later call
+            await anext(client.generate(GenerateRequest(stalled.prompt(), {}, stream=True), request_id=f"cancel-all-{prompts}-late"))
+        await client.close()
+        return results, received
+
+    before = len(triton.outcomes())
+    [error], received = asyncio.run(run())
+    assert isinstance(error, AdapterError) and error.status_code == 503 and "shutting down" in str(error)
+    assert len(received) == prompts
+    assert triton.wait_for_outcomes(before + prompts)[before:] == ["cancelled"] * prompts
