@@ -3,7 +3,7 @@
 The flat batch puts single-token queries (decodes) first, then multi-token prefill chunks. New keys/values
 are written to the cache through `slot_mapping`; each sequence then attends to its whole context, read back
 through its block table, so cached prefixes and earlier chunks are seen exactly like fresh tokens. The ops
-come from `kernels` (Triton on CUDA, torch references elsewhere)."""
+come from `kernels` (Triton on CUDA, the C ops on float32 CPU tensors, torch references elsewhere)."""
 
 from __future__ import annotations
 
