@@ -5,6 +5,7 @@ many engines one tritonserver runs, and where (the config.pbtxt instance_group).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from backend.interface import settings
@@ -27,6 +28,16 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def at_least_one(name: str) -> Callable[[str], int]:
+    """The parser of a whole-number setting that must be at least 1."""
+    def parse(text: str) -> int:
+        count = int(text)
+        if count < 1:
+            raise ValueError(f"{name} must be at least 1, not {count}")
+        return count
+    return parse
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str = setting("", "HF model directory or .gguf file; empty for the default model", option="model")
@@ -45,6 +56,10 @@ class EngineConfig:
                                              "(lower first, then arrival), preempting lower-priority running "
                                              "sequences for a waiting one (vLLM's)", choices=SCHEDULING_POLICIES)
     max_queue_len: int = setting(256, "waiting requests before new ones are refused")
+    stream_interval: int = setting(1, "streamed requests: a response once a choice has this many new tokens (the "
+                                      "first and the last at once); more spends less CPU per token in every process "
+                                      "of the stack, in fewer, larger chunks (vLLM's and SGLang's --stream-interval)",
+                                   parse=at_least_one("stream_interval"))
     max_step_failures: int = setting(3, "engine steps failing in a row after which the engine is dead: it refuses "
                                         "all requests and reports unhealthy (a persistent fault)")
     max_model_len: int = setting(0, "longest prompt + output in tokens; 0: the model's max_position_embeddings")
@@ -73,13 +88,6 @@ def parse_gpu_ids(text: str) -> str:
     return ",".join(ids)
 
 
-def parse_instances(text: str) -> int:
-    count = int(text)
-    if count < 1:
-        raise ValueError(f"instances must be at least 1, not {count}")
-    return count
-
-
 @dataclass(frozen=True)
 class InstanceGroup:
     """The engines one tritonserver runs: the `llm` model's instance_group. Each instance is a whole engine in
@@ -87,7 +95,7 @@ class InstanceGroup:
     instance, with no regard for which one holds its prompt's prefix in cache."""
 
     instances: int = setting(1, "engines (Triton model instances) in this tritonserver; with --gpus, engines on "
-                                "each listed GPU", parse=parse_instances)
+                                "each listed GPU", parse=at_least_one("instances"))
     gpus: str = setting("", "GPU ids for the engines, e.g. 0,1 (KIND_GPU: each engine on its GPU); empty: "
                             "KIND_MODEL, each engine takes CUDA when available, else the CPU", parse=parse_gpu_ids)
 

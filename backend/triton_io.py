@@ -178,10 +178,14 @@ def _logprob_entry(lp: TokenLogprob) -> dict:
 
 
 class ResponseBuilder:
-    """Per request: engine outputs in, response tensors out (None while a non-streaming request runs)."""
+    """Per request: engine outputs in, response tensors out (None while a non-streaming request runs, and while a
+    streamed one gathers its next chunk: a response once a choice has `stream_interval` new tokens, the first and
+    the last at once)."""
 
-    def __init__(self, request: ParsedRequest):
+    def __init__(self, request: ParsedRequest, stream_interval: int = 1):
         self.request = request
+        self.stream_interval = stream_interval
+        self.streamed = False  # whether a streamed response went out yet
         count = request.params.num_sequences
         self.texts = [""] * count
         # A choice's state, in every response: RUNNING until it ends, then why it ended.
@@ -190,7 +194,7 @@ class ResponseBuilder:
         self.logprobs: list[list] = [[] for _ in range(count)]
         self.cumulative_logprobs = [0.0] * count
         self.num_output_tokens = [0] * count
-        self.num_reported_tokens = [0] * count  # streaming: num_output_tokens counts each response's own tokens
+        self.num_reported_tokens = [0] * count  # streaming: tokens already sent (each response counts its own)
         self.prompt_logprobs: list | None = None
         self.prompt_token_ids: list[int] | None = None
         self.hidden_states: list[list] = [[] for _ in range(count)]
@@ -202,14 +206,6 @@ class ResponseBuilder:
             self.texts = [request.prompt] * count
 
     def on_output(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
-        count = self.request.params.num_sequences
-        if self.request.stream:  # each response carries only what is new
-            self.texts, self.logprobs = [""] * count, [[] for _ in range(count)]
-            self.prompt_logprobs, self.prompt_hidden_states, self.prompt_token_ids = None, None, None
-            self.hidden_states = [[] for _ in range(count)]
-            self.routed_experts = [[] for _ in range(count)]
-            self.token_ids = [[] for _ in range(count)]
-            self.tool_calls = [[] for _ in range(count)]
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = [_logprob_entry(lp) for lp in output.prompt_logprobs]
         if output.prompt_token_ids is not None:
@@ -231,9 +227,26 @@ class ResponseBuilder:
             self.num_output_tokens[i] = delta.num_output_tokens
             self.finish_reasons[i] = delta.finish_reason or RUNNING
             self.matched_stops[i] = delta.matched_stop
-        if not self.request.stream and not output.finished:
+        if not self.request.stream:
+            return self._tensors(output, self._kept_choices()) if output.finished else None
+        unsent = max(made - sent for made, sent in zip(self.num_output_tokens, self.num_reported_tokens))
+        if self.streamed and not output.finished and unsent < self.stream_interval:
             return None
-        return self._tensors(output, self._kept_choices())
+        tensors = self._tensors(output, self._kept_choices())
+        self._clear_sent()
+        return tensors
+
+    def _clear_sent(self) -> None:
+        """After a streamed response: the next one carries only what is new."""
+        count = self.request.params.num_sequences
+        self.streamed = True
+        self.num_reported_tokens = list(self.num_output_tokens)
+        self.texts, self.logprobs = [""] * count, [[] for _ in range(count)]
+        self.prompt_logprobs, self.prompt_hidden_states, self.prompt_token_ids = None, None, None
+        self.hidden_states = [[] for _ in range(count)]
+        self.routed_experts = [[] for _ in range(count)]
+        self.token_ids = [[] for _ in range(count)]
+        self.tool_calls = [[] for _ in range(count)]
 
     def _kept_choices(self) -> list[int]:
         """All choices, or with best_of the n most likely (by cumulative logprob), best first."""
@@ -278,8 +291,6 @@ class ResponseBuilder:
         if "num_output_tokens" in wanted:  # the tokens this response carries, as vllm_backend counts them
             tensors["num_output_tokens"] = np.array([self.num_output_tokens[i] - self.num_reported_tokens[i]
                                                      for i in kept], dtype=np.uint32)
-            if self.request.stream:
-                self.num_reported_tokens = list(self.num_output_tokens)
         if "num_cached_tokens" in wanted:
             tensors["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.uint32)
         return tensors

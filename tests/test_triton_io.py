@@ -65,6 +65,28 @@ def test_streaming_responses_carry_deltas_and_each_choice_state():
     assert third["num_output_tokens"].tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("flags", [{"return_num_output_tokens": True}, {}])  # the count kept either way
+def test_a_stream_interval_gathers_tokens_into_fewer_responses(flags):
+    builder = ResponseBuilder(parse_request(inputs({"n": 2}, stream=True, **flags)), stream_interval=3)
+    made = {"a": 0, "b": 0}
+
+    def output(texts: dict, finished=False):
+        choices = []
+        for index, (name, text) in enumerate(texts.items()):
+            made[name] += 1
+            choices.append(delta(index, text, "length" if finished else None, tokens=made[name]))
+        return builder.on_output(RequestOutput("r", choices, 1, 0, finished))
+
+    sent = [output({"a": "1", "b": "x"})]  # the first token at once
+    sent += [output({"a": str(i), "b": "y"}) for i in (2, 3, 4)]  # the third new token completes a chunk
+    sent += [output({"a": "5", "b": "z"}, finished=True)]  # the last at once
+    assert [response is not None for response in sent] == [True, False, False, True, True]
+    assert [r["text_output"].tolist() for r in sent if r is not None] == [[b"1", b"x"], [b"234", b"yyy"],
+                                                                          [b"5", b"z"]]
+    if flags:
+        assert [r["num_output_tokens"].tolist() for r in sent if r is not None] == [[1, 1], [3, 3], [1, 1]]
+
+
 def test_logprobs_are_vllm_backend_entries_and_null_when_not_asked():
     sampled = TokenLogprob(7, " x", -2.0, [(3, " a", -0.5), (7, " x", -2.0)], rank=2)
     outside = TokenLogprob(9, " y", -4.0, [(3, " a", -0.5)], rank=5)

@@ -85,6 +85,7 @@ class TritonPythonModel:
         self.core = CoreLoop(on_outputs=lambda outputs: self.mailbox.put(lambda: self._on_core_outputs(outputs)))
         self.parts = EngineParts.create(config, start_core=self.core.start)  # the core is built on its own thread
         self.inputs = self.parts.inputs  # used on Triton's thread only
+        self.stream_interval = config.stream_interval
         self.outputs = self.parts.outputs  # used on the responder thread only
         # Each instance is its own engine: its metrics carry its instance name (e.g. llm_0_1). Made only once the
         # engine is built: a failed load gets no finalize(), and a metric the stub frees itself segfaults it (below).
@@ -119,7 +120,7 @@ class TritonPythonModel:
             self.mailbox.put(lambda: self._send_final_error(sender, error))
             return
         # Registered before the core sees it: the mailbox is FIFO, so its outputs arrive after this.
-        entry = _InFlight(sender, ResponseBuilder(parsed), RequestTracker(
+        entry = _InFlight(sender, ResponseBuilder(parsed, self.stream_interval), RequestTracker(
             arrived, len(core_request.prompt_token_ids), core_request.params.num_sequences))
         self.mailbox.put(lambda: self._register(request_id, entry, core_request))
         try:
