@@ -1,7 +1,7 @@
 """Where the stack's CPU goes while it streams: CPU seconds per output token of each process (the Triton stub, its
 busiest threads, tritonserver, the OpenAI adapter, this load generator) over one run of N streams.
 
-    .venv/bin/python bench/stack_cpu.py [--streams 32] [--weight-format auto]
+    .venv/bin/python bench/stack_cpu.py [--streams 32] [--weight-format auto] [--stream-interval 1]
 
 On a small CPU host every process of the stack shares the cores with the engine's thread team: what the others
 spend per token is what the engine loses (bench/peers.py measures the rates; this says where the rest goes)."""
@@ -59,10 +59,12 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--weight-format", default="auto")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the stack's --stream-interval")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as state, running_stack(
             prepare_default_model(), Path(state), "--weight-format", args.weight_format,
-            "--max-num-seqs", str(args.streams), "--kv-cache-memory", "1GiB") as process:
+            "--max-num-seqs", str(args.streams), "--kv-cache-memory", "1GiB", "--stream-interval",
+            str(args.stream_interval)) as process:
         url, model = process.stack.base_url, process.stack.model_name
         asyncio.run(streaming_run(url, model, 1, 1, 8))  # warm-up
         before, started = thread_ticks(), time.monotonic()
