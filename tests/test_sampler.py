@@ -2,7 +2,7 @@
 
 import torch
 
-from backend.engine.sampler import sample_from
+from kernels.sampling import sample_from
 from backend.engine.structured_output import allowed_tokens_bitmask
 from kernels import filter_probs
 from kernels.sampling import apply_token_bitmask_reference

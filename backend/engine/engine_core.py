@@ -282,7 +282,8 @@ class EngineCore:
             return
         rows = chunk.logits.shape[0]
         targets = torch.tensor(seq.token_ids[chunk.start + 1:chunk.start + 1 + rows], device=chunk.logits.device)
-        seq.prompt_logprobs.extend(score(chunk.logits, targets, [seq.params.prompt_logprobs] * rows))
+        seq.prompt_logprobs.extend(score(chunk.logits, targets, torch.logsumexp(chunk.logits, dim=-1),
+                                         [seq.params.prompt_logprobs] * rows))
 
     @staticmethod
     def _record_prompt_hidden_states(chunk: PromptHiddenStates) -> None:

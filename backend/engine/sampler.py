@@ -2,7 +2,8 @@
 
 Logits are first adjusted (min_tokens bans, logit_bias, repetition/frequency/presence penalties, and last the
 token bitmask of a constrained sequence's grammar, so nothing can re-enable a token it forbids), then the
-token is greedy or drawn with temperature / top-k / top-p / min-p (kernels.filter_probs), each sequence from
+token is greedy or drawn with temperature (kernels.sample_tokens: on the CPU a fused op that also gives the
+softmax normalizer logprobs need) or with top-k / top-p / min-p too (kernels.filter_probs), each sequence from
 its own generator so a seeded request is reproducible whatever else runs beside it. Logprobs are those of the
 model's raw distribution (before any adjustment, temperature or filtering), as in vLLM and SGLang."""
 
@@ -12,36 +13,29 @@ import torch
 
 from backend.engine.sequence import SampledToken, Sequence
 from backend.engine.structured_output import BitmaskFiller
-from kernels import apply_logit_bias, apply_penalties, apply_token_bitmask, filter_probs
+from kernels import apply_logit_bias, apply_penalties, apply_token_bitmask, filter_probs, sample_tokens
+from kernels.sampling import sample_from
 
 
-def score(logits: torch.Tensor, tokens: torch.Tensor, num_top: list[int | None]) -> list[SampledToken]:
-    """Each row's logprob of its token under softmax(logits); a row whose num_top is set (logprobs asked for)
-    also gets the token's rank and its num_top most likely alternatives. Only the log-normalizer is computed
-    for the whole vocabulary, not every logprob."""
-    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen_logits = logits.gather(1, tokens.unsqueeze(1))
-    chosen = (chosen_logits - normalizer).squeeze(1).tolist()
+def score(raw: torch.Tensor, tokens: torch.Tensor, log_normalizers: torch.Tensor,
+          num_top: list[int | None]) -> list[SampledToken]:
+    """Each row's logprob of its token under softmax(raw) (log_normalizers: log Σ exp of each row); a row whose
+    num_top is set (logprobs asked for) also gets the token's rank and its num_top most likely alternatives."""
+    chosen_logits = raw.gather(1, tokens.unsqueeze(1))
+    chosen = (chosen_logits.squeeze(1) - log_normalizers).tolist()
     ranks = {}
     wanted = [i for i, k in enumerate(num_top) if k is not None]
     if wanted:  # vLLM's rank: 1 + the tokens strictly more likely
-        rows = torch.tensor(wanted, device=logits.device)
-        ranks = dict(zip(wanted, ((logits[rows] > chosen_logits[rows]).sum(dim=-1) + 1).tolist()))
+        rows = torch.tensor(wanted, device=raw.device)
+        ranks = dict(zip(wanted, ((raw[rows] > chosen_logits[rows]).sum(dim=-1) + 1).tolist()))
     top_values = top_ids = []
     most = max((k or 0 for k in num_top), default=0)
     if most:
-        values, ids = logits.topk(most, dim=-1)
-        top_values, top_ids = (values - normalizer).tolist(), ids.tolist()
+        values, ids = raw.topk(most, dim=-1)
+        top_values, top_ids = (values - log_normalizers.unsqueeze(1)).tolist(), ids.tolist()
     return [SampledToken(token, chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else (),
                          ranks.get(i))
             for i, (token, k) in enumerate(zip(tokens.tolist(), num_top))]
-
-
-def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform number per row picks an index of that row's (unnormalized) probs."""
-    cdf = probs.cumsum(dim=-1)
-    targets = uniforms.unsqueeze(1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class Sampler:
@@ -50,28 +44,31 @@ class Sampler:
         self.bitmasks = BitmaskFiller(vocab_size)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        raw = logits
+        raw, device = logits, logits.device
         logits = self._adjust(logits, seqs)
-        chosen = logits.argmax(dim=-1)
-        random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            params = [seqs[i].params for i in random_rows]
-            temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-            probs = (logits[rows] / temperature).softmax(dim=-1)
-            # one draw per sequence from its own generator: reproducible whatever else is in the batch
-            uniforms = torch.cat([torch.rand(1, generator=seqs[i].generator, device=logits.device)
-                                  for i in random_rows])
-            if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                probs = filter_probs(
-                    probs,
-                    torch.tensor([p.top_k for p in params], device=logits.device),
-                    torch.tensor([p.top_p for p in params], device=logits.device),
-                    torch.tensor([p.min_p for p in params], device=logits.device),
-                )
-            chosen[rows] = sample_from(probs, uniforms)
-
-        return score(raw, chosen, [seq.params.logprobs for seq in seqs])
+        params = [seq.params for seq in seqs]
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        filtered = {i for i in drawn if params[i].top_k > 0 or params[i].top_p < 1.0 or params[i].min_p > 0.0}
+        uniforms = torch.zeros(len(seqs), device=device)
+        if drawn:  # one draw per sequence from its own generator: reproducible whatever else is in the batch
+            uniforms[torch.tensor(drawn, device=device)] = torch.cat(
+                [torch.rand(1, generator=seqs[i].generator, device=device) for i in drawn])
+        # a filtered row is drawn below from its filtered distribution (here it gets its argmax, cheaply)
+        inverse_temperatures = torch.tensor([1.0 / p.temperature if i in drawn and i not in filtered else 0.0
+                                             for i, p in enumerate(params)], device=device)
+        tokens, log_normalizers = sample_tokens(logits, raw, inverse_temperatures, uniforms)
+        if filtered:
+            rows = torch.tensor(sorted(filtered), device=device)
+            kept = [params[i] for i in sorted(filtered)]
+            temperature = torch.tensor([p.temperature for p in kept], device=device).unsqueeze(1)
+            probs = filter_probs(
+                (logits[rows] / temperature).softmax(dim=-1),
+                torch.tensor([p.top_k for p in kept], device=device),
+                torch.tensor([p.top_p for p in kept], device=device),
+                torch.tensor([p.min_p for p in kept], device=device),
+            )
+            tokens[rows] = sample_from(probs, uniforms[rows])
+        return score(raw, tokens, log_normalizers, [p.logprobs for p in params])
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """min_tokens bans, logit_bias, penalties and grammars; returns logits unchanged (not copied) when none

@@ -4,8 +4,9 @@ One step of a small model on a CPU is hundreds of small torch ops (each a dispat
 int4 weights have no fast fp32-activation kernel in torch. These ops do the same work in a few calls per layer
 (`llama_decode`: one call for a whole decode step), and `q4_matmul` reads the checkpoint's own 4-bit weights (5
 bits per weight with their scales, against 16 for fp16). `load(directory)` compiles the library with
-`-march=native` (so it suits exactly the CPU it runs on) into that directory, keyed by the source, the flags and
-the CPU's feature flags, and loads it; until then, without a C compiler, or with TRITONLLM_CPU_OPS=0, the engine's
+`-march=native` (so it suits exactly the CPU it runs on; `TRITONLLM_CPU_MARCH` names another target, e.g.
+x86-64-v3 for AVX2 code on an AVX-512 CPU) into that directory, keyed by the source, the flags and the CPU's
+feature flags, and loads it; until then, without a C compiler, or with TRITONLLM_CPU_OPS=0, the engine's
 ops run the torch references. ctypes releases the GIL during each call; the OpenMP runtime is torch's own (the
 library links libgomp.so.1, which torch has already loaded), so the process keeps one thread team."""
 
@@ -30,7 +31,8 @@ from kernels.rotary import rotary_embedding_reference
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+MARCH = os.environ.get("TRITONLLM_CPU_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 QUANT_BLOCK = 32  # as in cpu_ops.c
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -43,6 +45,7 @@ SIGNATURES = {
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
     "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p],
     "silu_and_mul": [_p, _i64, _i64, _p],
+    "sample_rows": [_p, _p, _i64, _i64, _p, _p, _p, _p],
     "llama_decode": [_p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _p, _p, _p, _i64, _p, _i64, _p, _i64,
                      _p, _p],
 }
@@ -64,7 +67,7 @@ def build(directory: Path) -> Path | None:
         return None
     key = hashlib.sha256(SOURCE.read_bytes() + "\n".join([" ".join(FLAGS), _cpu_flags(), torch.__version__])
                          .encode()).hexdigest()[:16]  # bytes: the stub's locale may be ASCII
-    target = directory / f"cpu_ops-{key}.so"
+    target = directory / f"cpu_ops-{MARCH}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +79,7 @@ def build(directory: Path) -> Path | None:
             log.warning("building the CPU ops failed, using the torch references: %s", result.stderr[-2000:])
             return None
         os.replace(built, target)
-    for stale in target.parent.glob("cpu_ops-*.so"):  # older sources or flags (a loaded copy stays mapped)
+    for stale in target.parent.glob(f"cpu_ops-{MARCH}-*.so"):  # older sources or flags (a loaded copy stays mapped)
         if stale != target:
             stale.unlink(missing_ok=True)
     return target
@@ -155,6 +158,19 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q8_exact's weights [out, in].T → [tokens, out]."""
     return _block_matmul(_library.q8_matmul, x, packed)
+
+
+def sample_tokens(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,
+                  uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As kernels.sampling.sample_tokens_reference, each row in a few passes while it is in cache."""
+    logits, raw = logits.contiguous(), raw.contiguous()
+    rows, vocab = logits.shape
+    inverse_temperatures, uniforms = (t.to(torch.float32).contiguous() for t in (inverse_temperatures, uniforms))
+    tokens = torch.empty(rows, dtype=torch.int64)
+    log_normalizers = torch.empty(rows, dtype=torch.float32)
+    _library.sample_rows(logits.data_ptr(), raw.data_ptr(), rows, vocab, inverse_temperatures.data_ptr(),
+                         uniforms.data_ptr(), tokens.data_ptr(), log_normalizers.data_ptr())
+    return tokens, log_normalizers
 
 
 def _rows(x: torch.Tensor) -> bool:
