@@ -15,8 +15,8 @@ once its first token is out: 1 / mean ITL) and aggregate output tok/s at more; t
 
 `--isa avx2` runs everything on the code paths of a CPU with AVX2/FMA but no AVX-512 (most 2-core cloud boxes)
 on a CPU that has more: torch's own kernels, oneDNN, MKL and fbgemm are capped at AVX2 by their environment
-variables, our CPU ops are built for x86-64-v3, vLLM inherits the same caps (its inductor code follows
-ATEN_CPU_CAPABILITY), and llama-server must be a build for AVX2 (`ISA=avx2 bash bench/setup_peers.sh` makes one
+variables, our CPU ops are built for x86-64-v3, vLLM gets the oneDNN and MKL caps only (see vllm_peer: its own
+C++ ops, its torch and its inductor code keep AVX-512), and llama-server must be a build for AVX2 (`ISA=avx2 bash bench/setup_peers.sh` makes one
 in DIR/llama.cpp-avx2). Memory bandwidth and core speed stay the host's, so it shows the code paths, not the
 other box."""
 
@@ -68,7 +68,7 @@ class Peer:
 
     name: str
     command: list[str]
-    env: dict[str, str]
+    env: dict[str, str | None]  # over this process's environment; None: unset
     port: int
     version_command: list[str]
 
@@ -115,8 +115,8 @@ def served_model(url: str) -> str:
 def running_peer(peer: Peer, log_dir: Path, ready_timeout_s: float) -> Iterator[float]:
     """The peer in its own process group until the block exits; yields the seconds it took to answer /health.
     The whole group is stopped whatever happens (vLLM's engine runs in a child process)."""
-    child = Child(peer.name, peer.command, log_dir / f"{peer.name}.log",
-                  {**os.environ, **peer.env, "HF_HUB_OFFLINE": "1"})
+    env = {name: value for name, value in {**os.environ, **peer.env}.items() if value is not None}
+    child = Child(peer.name, peer.command, log_dir / f"{peer.name}.log", {**env, "HF_HUB_OFFLINE": "1"})
     child.start()
     try:
         print(f"{peer.name}: starting (log: {child.log_path})", flush=True)
@@ -167,13 +167,15 @@ def llama_server_peer(binary: Path, slots: int, max_tokens: int, threads: int) -
 
 
 def vllm_peer(python: Path, model_dir: Path, threads: int) -> Peer:
-    """The HF-format checkpoint our server loads, in fp32 (vLLM's CPU build torch-compiles it at start)."""
+    """The HF-format checkpoint our server loads, in fp32 (vLLM's CPU build torch-compiles it at start). Under
+    `--isa avx2` without ATEN_CPU_CAPABILITY: with it, vLLM 0.32 streamed tokens that decode to no text (its own
+    AVX-512 ops beside AVX2 torch), so its torch and inductor code keep AVX-512; oneDNN and MKL stay capped."""
     port = free_ports(1)[0]
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", str(VLLM_MAX_MODEL_LEN)]
     env = {"VLLM_CPU_OMP_THREADS_BIND": first_cpus(threads), "VLLM_USE_AOT_COMPILE": "0",
-           "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
+           "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "ATEN_CPU_CAPABILITY": None}
     return Peer("vllm", command, env, port, [str(python), "-c", "import vllm; print('version', vllm.__version__)"])
 
 

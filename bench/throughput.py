@@ -109,7 +109,7 @@ async def streaming_run(url: str, model: str, streams: int, requests_per_stream:
                 except httpx.HTTPError as error:
                     progress.write(f"{label}: request failed: {error!r}")
                     per_request.errors = 1
-                if per_request.tokens != tokens:
+                if per_request.tokens != tokens or not per_request.ttft:  # no text: tokens that decode to nothing
                     per_request.errors = 1
                 run.errors += per_request.errors
                 run.tokens += per_request.tokens
