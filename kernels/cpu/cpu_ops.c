@@ -93,15 +93,22 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
-/* exp(x) for x <= 88 to ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to r^7 / 7!.
- * Plain arithmetic, so loops calling it vectorize. */
+/* exp's range reduction, for x (a float or a vector of floats) in [-87, 88]: x = n ln2 + r, |r| <= ln2 / 2;
+ * sets n and p = exp(r) by its Taylor series to r^7 / 7! (the caller scales p by 2^n). Plain arithmetic, so loops
+ * using it vectorize. */
+#define EXP_REDUCE(x, n, p)                                                                                     \
+    do {                                                                                                        \
+        n = ((x) * 1.44269504089f + 12582912.0f) - 12582912.0f; /* 1.5 * 2^23: rounds x / ln2 to an integer */ \
+        const __typeof__(n) r_ = (x) - n * 0.693145751953125f - n * 1.428606765330187e-06f; /* ln2, 2 parts */ \
+        p = 1.0f + r_ * (1.0f + r_ * (0.5f + r_ * (1.66666667e-1f + r_ * (4.16666667e-2f + r_ * (8.33333333e-3f  \
+                + r_ * (1.38888889e-3f + r_ * 1.98412698e-4f))))));                                               \
+    } while (0)
+
+/* exp(x) for x <= 88 to ~2 ulp */
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float shifted = x * 1.44269504089f + 12582912.0f; /* 1.5 * 2^23: rounds x / ln2 to an integer */
-    float n = shifted - 12582912.0f;
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f; /* ln2 in two parts */
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f + r * (8.33333333e-3f
-                  + r * (1.38888889e-3f + r * 1.98412698e-4f))))));
+    float n, p;
+    EXP_REDUCE(x, n, p);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
@@ -550,10 +557,8 @@ void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int
 static inline vf exp_nonpositive(vf x) {
     const vi underflows = x < -87.0f;
     x = vmax(x, splat(-87.0f));
-    const vf n = (x * 1.44269504089f + 12582912.0f) - 12582912.0f;
-    const vf r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    const vf p = 1.0f + r * (1.0f + r * (0.5f + r * (1.66666667e-1f + r * (4.16666667e-2f + r * (8.33333333e-3f
-                     + r * (1.38888889e-3f + r * 1.98412698e-4f))))));
+    vf n, p;
+    EXP_REDUCE(x, n, p);
     const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(p * (vf)scale) & ~underflows);
 }
