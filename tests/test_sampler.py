@@ -2,10 +2,9 @@
 
 import torch
 
-from kernels.sampling import sample_from
 from backend.engine.structured_output import allowed_tokens_bitmask
 from kernels import filter_probs
-from kernels.sampling import apply_token_bitmask_reference
+from kernels.sampling import apply_token_bitmask_reference, sample_from
 
 
 def test_filters_keep_what_each_rule_allows():

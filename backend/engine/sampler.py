@@ -48,18 +48,18 @@ class Sampler:
         logits = self._adjust(logits, seqs)
         params = [seq.params for seq in seqs]
         drawn = [i for i, p in enumerate(params) if not p.greedy]
-        filtered = {i for i in drawn if params[i].top_k > 0 or params[i].top_p < 1.0 or params[i].min_p > 0.0}
+        filtered = [i for i in drawn if params[i].has_filters]
         uniforms = torch.zeros(len(seqs), device=device)
         if drawn:  # one draw per sequence from its own generator: reproducible whatever else is in the batch
             uniforms[torch.tensor(drawn, device=device)] = torch.cat(
                 [torch.rand(1, generator=seqs[i].generator, device=device) for i in drawn])
         # a filtered row is drawn below from its filtered distribution (here it gets its argmax, cheaply)
-        inverse_temperatures = torch.tensor([1.0 / p.temperature if i in drawn and i not in filtered else 0.0
-                                             for i, p in enumerate(params)], device=device)
+        inverse_temperatures = torch.tensor([0.0 if p.greedy or p.has_filters else 1.0 / p.temperature
+                                             for p in params], device=device)
         tokens, log_normalizers = sample_tokens(logits, raw, inverse_temperatures, uniforms)
         if filtered:
-            rows = torch.tensor(sorted(filtered), device=device)
-            kept = [params[i] for i in sorted(filtered)]
+            rows = torch.tensor(filtered, device=device)
+            kept = [params[i] for i in filtered]
             temperature = torch.tensor([p.temperature for p in kept], device=device).unsqueeze(1)
             probs = filter_probs(
                 (logits[rows] / temperature).softmax(dim=-1),

@@ -233,6 +233,11 @@ class SamplingParams:
         return max(self.n, self.best_of or self.n)
 
     @property
+    def has_filters(self) -> bool:
+        """top-k, top-p or min-p cut the distribution a token is drawn from."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
