@@ -13,12 +13,12 @@ A peer whose flag is not given is skipped. The compared figure is decode tok/s a
 once its first token is out: 1 / mean ITL) and aggregate output tok/s at more; the ratios are ours / peer.
 `--in-process` adds the engine in this process (bench/throughput.py's engine_run) for stack / in-process.
 
-`--isa avx2` runs everything on the code paths of a CPU with AVX2/FMA but no AVX-512 (most 2-core cloud boxes)
-on a CPU that has more: torch's own kernels, oneDNN, MKL and fbgemm are capped at AVX2 by their environment
-variables, our CPU ops are built for x86-64-v3, vLLM gets the oneDNN and MKL caps only (see vllm_peer: its own
-C++ ops, its torch and its inductor code keep AVX-512), and llama-server must be a build for AVX2 (`ISA=avx2 bash bench/setup_peers.sh` makes one
-in DIR/llama.cpp-avx2). Memory bandwidth and core speed stay the host's, so it shows the code paths, not the
-other box."""
+`--isa avx2` runs everything on the code paths of a CPU with AVX2/FMA but no AVX-512 (most 2-core cloud boxes) on a
+CPU that has more: torch's own kernels, oneDNN, MKL and fbgemm are capped at AVX2 by their environment variables,
+our CPU ops are built for x86-64-v3, vLLM gets the oneDNN and MKL caps only (see vllm_peer: its own C++ ops, its
+torch and its inductor code keep AVX-512), and llama-server must be a build for AVX2 (`ISA=avx2 bash
+bench/setup_peers.sh` makes one in DIR/llama.cpp-avx2). Memory bandwidth and core speed stay the host's, so it
+shows the code paths, not the other box."""
 
 from __future__ import annotations
 
@@ -167,9 +167,10 @@ def llama_server_peer(binary: Path, slots: int, max_tokens: int, threads: int) -
 
 
 def vllm_peer(python: Path, model_dir: Path, threads: int) -> Peer:
-    """The HF-format checkpoint our server loads, in fp32 (vLLM's CPU build torch-compiles it at start). Under
-    `--isa avx2` without ATEN_CPU_CAPABILITY: with it, vLLM 0.32 streamed tokens that decode to no text (its own
-    AVX-512 ops beside AVX2 torch), so its torch and inductor code keep AVX-512; oneDNN and MKL stay capped."""
+    """The HF-format checkpoint our server loads, in fp32 (vLLM's CPU build torch-compiles it at start). Never
+    with ATEN_CPU_CAPABILITY (which `--isa avx2` sets): with it at avx2, vLLM 0.32 streamed tokens that decode to
+    no text (its own AVX-512 ops beside AVX2 torch), so its torch and inductor code keep their ISA; oneDNN and MKL
+    stay capped."""
     port = free_ports(1)[0]
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
