@@ -199,8 +199,23 @@ static inline void dequantize_q8_0(const uint8_t *block, vf *out) {
                 for (int r = 0; r < ROWS; r++) acc[r][t] += wv[r] * xv;                                         \
             }                                                                                                   \
         }                                                                                                       \
+        if (ROWS * TOKENS < VLEN / 2) { /* too few to share lane_sums' shuffles */                              \
+            for (int t = 0; t < TOKENS; t++)                                                                    \
+                for (int r = 0; r < ROWS; r++) y[t * N + r] = lane_sum(acc[r][t]);                              \
+            return;                                                                                             \
+        }                                                                                                       \
+        enum { GROUPS = (ROWS * TOKENS + VLEN - 1) / VLEN };                                                    \
+        float sums[GROUPS * VLEN] __attribute__((aligned(64)));                                                 \
+        for (int g = 0; g < GROUPS; g++) {                                                                      \
+            vf group[VLEN];                                                                                     \
+            for (int i = 0; i < VLEN; i++) {                                                                    \
+                const int pair = g * VLEN + i; /* token-major: a token's row sums end up side by side */       \
+                group[i] = pair < ROWS * TOKENS ? acc[pair % ROWS][pair / ROWS] : (vf){0};                      \
+            }                                                                                                   \
+            store(sums + g * VLEN, lane_sums(group));                                                           \
+        }                                                                                                       \
         for (int t = 0; t < TOKENS; t++)                                                                        \
-            for (int r = 0; r < ROWS; r++) y[t * N + r] = lane_sum(acc[r][t]);                                  \
+            for (int r = 0; r < ROWS; r++) y[t * N + r] = sums[t * ROWS + r];                                   \
     }
 
 MICROKERNEL(ROW_TILE, TOKEN_TILE)
