@@ -116,6 +116,15 @@ static inline float exp_approx(float x) {
     return p * scale;
 }
 
+/* exp_approx of each lane (written out: GCC leaves exp_approx's loops scalar for AVX2) */
+static inline vf exp_lanes(vf x) {
+    x = vmax(x, splat(-87.0f));
+    x = -vmax(-x, splat(-88.0f));
+    vf n, p;
+    EXP_REDUCE(x, n, p);
+    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
 /* ---- projections over the checkpoint's quantized blocks: y[T][N] = x[T][K] . W[N][K]^T ----
  * Q4_1 (the decoder's projections): w = d * q + m per block of 32 inputs; Q8_0 (a GGUF's embedding and LM head):
  * w = d * q, q signed. Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
@@ -364,7 +373,8 @@ static void attend(const float *qs, int64_t group, int64_t D, int64_t n, const i
         float highest = -INFINITY;
         for (int i = 0; i < VLEN; i++) highest = top[i] > highest ? top[i] : highest;
         for (; p < n; p++) highest = row[p] > highest ? row[p] : highest;
-        for (p = 0; p < n; p++) row[p] = exp_approx(row[p] - highest);
+        for (p = 0; p + VLEN <= n; p += VLEN) store(row + p, exp_lanes(load(row + p) - highest));
+        for (; p < n; p++) row[p] = exp_approx(row[p] - highest);
         vf total = {0};
         for (p = 0; p + VLEN <= n; p += VLEN) total += load(row + p);
         float sum = lane_sum(total);
@@ -511,7 +521,12 @@ void silu_and_mul(const float *x, int64_t rows, int64_t width, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * width, *up = gate + width;
         float *o = out + r * width;
-        for (int64_t i = 0; i < width; i++) o[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
+        int64_t i = 0;
+        for (; i + VLEN <= width; i += VLEN) {
+            const vf g = load(gate + i);
+            store(o + i, g / (1.0f + exp_lanes(-g)) * load(up + i));
+        }
+        for (; i < width; i++) o[i] = gate[i] / (1.0f + exp_approx(-gate[i])) * up[i];
     }
 }
 
@@ -569,14 +584,10 @@ void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int
 
 #define SAMPLE_CHUNK 256 /* entries per partial sum: the draw finds its chunk, then its entry in it */
 
-/* exp(x) for x <= 0, exactly 0 below -87 (a banned token, -inf, never counts); exp_approx's arithmetic. */
+/* exp(x) for x <= 0, exactly 0 below -87 (a banned token, -inf, never counts). */
 static inline vf exp_nonpositive(vf x) {
     const vi underflows = x < -87.0f;
-    x = vmax(x, splat(-87.0f));
-    vf n, p;
-    EXP_REDUCE(x, n, p);
-    const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
-    return (vf)((vi)(p * (vf)scale) & ~underflows);
+    return (vf)((vi)exp_lanes(x) & ~underflows);
 }
 
 /* row[i .. i + VLEN) with entries at or past n read as -inf */
