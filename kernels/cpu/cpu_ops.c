@@ -203,7 +203,10 @@ static inline void dequantize_q8_0(const uint8_t *block, vf *out) {
             for (int t = 0; t < TOKENS; t++) acc[r][t] = (vf){0};                                               \
         for (int64_t k = 0; k < K; k += VLEN) {                                                                 \
             vf wv[ROWS];                                                                                        \
-            for (int r = 0; r < ROWS; r++) wv[r] = load(w + r * K + k);                                         \
+            for (int r = 0; r < ROWS; r++) {                                                                    \
+                wv[r] = load(w + r * K + k);                                                                    \
+                __asm__("" : "+v"(wv[r])); /* kept in a register: GCC re-reads it from memory per token */     \
+            }                                                                                                   \
             for (int t = 0; t < TOKENS; t++) {                                                                  \
                 vf xv = load(x + t * K + k);                                                                    \
                 for (int r = 0; r < ROWS; r++) acc[r][t] += wv[r] * xv;                                         \
