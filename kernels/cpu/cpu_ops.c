@@ -38,7 +38,13 @@ typedef int32_t vi __attribute__((vector_size(VLEN * 4)));
 
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 static inline void store(float *p, vf v) { *(vf_unaligned *)p = v; }
-static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf splat(float x) { /* a broadcast ((vf){0} + x costs an add: 0 + -0 is +0) */
+#if VLEN == 16
+    return (vf)_mm512_set1_ps(x);
+#else
+    return (vf)_mm256_set1_ps(x);
+#endif
+}
 
 /* A vector's lanes summed as a tree (halves added, then their halves...): a fixed order, in a few shuffles. */
 static inline float lane_sum(vf v) {
@@ -163,16 +169,18 @@ static inline void dequantize_q4_1(const uint8_t *block, vf *out) {
     float d, m;
     block_scales(block, &d, &m);
     const vf dv = splat(d), mv = splat(m);
+    /* each byte widened to an int32 lane once, then split into its two nibbles there: one shuffle per VLEN bytes
+     * (intrinsics: GCC scalarizes these conversions written as vector casts) */
 #if VLEN == 16
-    const vbytes nibbles = *(const vbytes *)(block + 4);
-    out[0] = to_float(nibbles & 15) * dv + mv;
-    out[1] = to_float(nibbles >> 4) * dv + mv;
-#else /* AVX2: split the 16 bytes by hand (GCC scalarizes byte shifts and conversions of 8-byte vectors) */
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)), low_bits = _mm_set1_epi8(15);
-    const __m128i halves[2] = {_mm_and_si128(bytes, low_bits), _mm_and_si128(_mm_srli_epi16(bytes, 4), low_bits)};
+    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
+    out[0] = __builtin_convertvector(codes & 15, vf) * dv + mv;
+    out[1] = __builtin_convertvector(codes >> 4, vf) * dv + mv;
+#else
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(bytes), (vi)_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
     for (int half = 0; half < 2; half++) {
-        out[2 * half] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[half])) * dv + mv;
-        out[2 * half + 1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[half], 8))) * dv + mv;
+        out[half] = __builtin_convertvector(codes[half] & 15, vf) * dv + mv;
+        out[2 + half] = __builtin_convertvector(codes[half] >> 4, vf) * dv + mv;
     }
 #endif
 }
