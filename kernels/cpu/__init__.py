@@ -58,14 +58,14 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build(directory: Path) -> Path | None:
-    """The library compiled for this CPU in `directory` (unless already there), or None without a working C
-    compiler."""
+def build(directory: Path, source: Path = SOURCE) -> Path | None:
+    """The library compiled from `source` for this CPU in `directory` (unless already there; other builds for the
+    same target there are removed), or None without a working C compiler."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("no C compiler: the CPU runs the torch reference ops (slower)")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + "\n".join([" ".join(FLAGS), _cpu_flags(), torch.__version__])
+    key = hashlib.sha256(source.read_bytes() + "\n".join([" ".join(FLAGS), _cpu_flags(), torch.__version__])
                          .encode()).hexdigest()[:16]  # bytes: the stub's locale may be ASCII
     target = directory / f"cpu_ops-{MARCH}-{key}.so"
     if target.exists():
@@ -73,7 +73,7 @@ def build(directory: Path) -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # concurrent builders each rename their own
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
                                 text=True)
         if result.returncode != 0:
             log.warning("building the CPU ops failed, using the torch references: %s", result.stderr[-2000:])
@@ -94,12 +94,17 @@ def load(directory: Path) -> bool:
     if _library is None and os.environ.get("TRITONLLM_CPU_OPS", "1") != "0":
         path = build(directory)
         if path is not None:
-            library = ctypes.CDLL(str(path))
-            for name, argtypes in SIGNATURES.items():
-                getattr(library, name).argtypes = argtypes
-                getattr(library, name).restype = None
-            _library = library
+            _library = open_library(path)
     return _library is not None
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """A built library with its functions' signatures set."""
+    library = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = None
+    return library
 
 
 def available() -> bool:

@@ -1,0 +1,75 @@
+"""Before/after of a change to the CPU ops: the engine in this process, with the ops of a git revision's
+kernels/cpu/cpu_ops.c and of this checkout's swapped between runs, alternating (the host's drift between separate
+processes can exceed the change), at each streams level; prints each run and the medians.
+
+    .venv/bin/python bench/cpu_ops_ab.py --before b5d3932 [--streams 1,32] [--rounds 4] [--tokens 128]
+    TRITONLLM_CPU_MARCH=x86-64-v3 .venv/bin/python bench/cpu_ops_ab.py --before ...   # both built for AVX2
+
+Everything but the ops (model, scheduler, sampler's torch parts) is this checkout's, so a revision whose ops take
+other arguments cannot be compared this way; the workload is bench/throughput.py's engine_run (temperature 0.7,
+EOS ignored, int4 weights: the weight format whose projections are the ops')."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.llm_engine import LLMEngine  # noqa: E402
+from backend.model_files import prepare_default_model  # noqa: E402
+from kernels import cpu  # noqa: E402
+from throughput import engine_run  # noqa: E402
+
+
+def built_ops(revision: str | None, directory: Path):
+    """The CPU ops of `revision`'s cpu_ops.c (None: this checkout's), built into `directory` and opened."""
+    source = cpu.SOURCE
+    if revision is not None:
+        source = directory / "cpu_ops.c"
+        source.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:kernels/cpu/cpu_ops.c"],
+                                          check=True, capture_output=True).stdout)
+    path = cpu.build(directory / "build", source)
+    if path is None:
+        raise SystemExit("no C compiler: the CPU ops cannot be built")
+    return cpu.open_library(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="the git revision whose cpu_ops.c is 'before'")
+    parser.add_argument("--streams", default="1,32")
+    parser.add_argument("--rounds", type=int, default=4, help="runs of each build per streams level")
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model_path=str(prepare_default_model()), weight_format="int4",
+                                    max_num_seqs=max(int(s) for s in args.streams.split(","))))
+    with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
+        builds = {f"before ({args.before})": built_ops(args.before, Path(before_dir)),
+                  "after (this checkout)": built_ops(None, Path(after_dir))}
+        print(f"{torch.get_num_threads()} torch threads, ops built for -march={cpu.MARCH}")
+        for streams in map(int, args.streams.split(",")):
+            rates: dict[str, list[float]] = {name: [] for name in builds}
+            engine_run(engine, streams, 8)  # warm-up
+            for _ in range(args.rounds):
+                for name, library in builds.items():
+                    cpu._library = library  # every op the engine calls goes through this module's library
+                    run = engine_run(engine, streams, args.tokens)
+                    rates[name].append(run.rate)
+                    print(f"  {streams:>2} streams, {name}: {run.rate:7.1f} tok/s, ITL p50 "
+                          f"{statistics.median(run.itl) * 1e3:.2f} ms", flush=True)
+            medians = [statistics.median(values) for values in rates.values()]
+            print(f"{streams} streams: median {medians[0]:.1f} -> {medians[1]:.1f} tok/s "
+                  f"({medians[1] / medians[0]:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
