@@ -139,11 +139,6 @@ static inline vf exp_lanes(vf x) {
 #define Q4_1_BYTES 20 /* fp16 d, fp16 m, 16 bytes of nibbles: element j low, element j + 16 high */
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 
-typedef uint8_t vbytes __attribute__((vector_size(VLEN), aligned(1)));
-
-/* bytes → floats through int32 (a direct conversion is scalarized) */
-static inline vf to_float(vbytes bytes) { return __builtin_convertvector(__builtin_convertvector(bytes, vi), vf); }
-
 /* A block's two leading fp16 values as floats. One vector conversion of both: a scalar one merges into its
  * destination register, which chains every block to the one before. */
 static inline void block_scales(const uint8_t *block, float *first, float *second) {
