@@ -13,7 +13,6 @@ producing (a deadline on the whole request is the HTTP layer's: openai_adapter/d
 import asyncio
 import json
 import re
-import struct
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, triton_to_np_dtype
 
 from backend.interface.errors import decode
 from backend.interface.tensors import RUNNING
@@ -332,21 +331,11 @@ class _Outputs:
         return list(self._values.get(name, ()))
 
 
-_NUMBERS = {"UINT32": "I", "INT32": "i", "INT64": "q", "UINT64": "Q", "FP32": "f"}
-
-
 def _decode(datatype: str, raw: bytes) -> list:
-    """Triton's raw tensor bytes → its elements: BYTES as each element's length (uint32, little-endian) then its
-    bytes; numbers as little-endian values."""
-    if datatype != "BYTES":
-        code = _NUMBERS[datatype]
-        return list(struct.unpack(f"<{len(raw) // struct.calcsize(code)}{code}", raw))
-    items, offset = [], 0
-    while offset < len(raw):
-        (length,) = struct.unpack_from("<I", raw, offset)
-        items.append(raw[offset + 4 : offset + 4 + length])
-        offset += 4 + length
-    return items
+    """Triton's raw tensor bytes → its elements (bytes objects for BYTES), by tritonclient's own decoders."""
+    if datatype == "BYTES":
+        return deserialize_bytes_tensor(raw).tolist()
+    return np.frombuffer(raw, dtype=triton_to_np_dtype(datatype)).tolist()
 
 
 def _error_from_message(message: str) -> AdapterError:
