@@ -13,6 +13,7 @@ from backend.interface.settings import setting
 
 SCHEDULING_POLICIES = ("fcfs", "priority")  # backend/engine/scheduler.py says what each does
 WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4")  # backend/layers/linear.py says what each is
+KV_CACHE_DTYPES = ("auto", "float16")  # backend/engine/model_runner.py: kv_cache_dtype
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -41,14 +42,18 @@ def at_least_one(name: str) -> Callable[[str], int]:
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str = setting("", "HF model directory or .gguf file; empty for the default model", option="model")
-    dtype: str = setting("auto", "activations and KV cache dtype (auto: bfloat16 on CUDA; on the CPU what the "
-                                 "weight format runs with)")
+    dtype: str = setting("auto", "activations dtype, the KV cache's too unless kv_cache_dtype says otherwise (auto: "
+                                 "bfloat16 on CUDA; on the CPU what the weight format runs with)")
     weight_format: str = setting("auto", "CPU projection weights: float32, float16, bfloat16, int8 or int4; auto "
                                          "times the exact or near-exact ones at load and takes the fastest",
                                  choices=WEIGHT_FORMATS)
     device: str = setting("auto", "cpu, cuda or auto (cuda when available)")
     kv_cache_memory: int = setting(1 << 30, "bytes for the paged KV cache of each engine instance (e.g. 512MiB, 8GiB)",
                                    parse=parse_size)
+    kv_cache_dtype: str = setting("auto", "the KV cache's dtype: auto (the activations') or float16 (the CPU engine "
+                                          "with float32 activations: keys and values rounded to float16, half the "
+                                          "cache's memory and half the bytes decode attention reads)",
+                                  choices=KV_CACHE_DTYPES)
     block_size: int = setting(16, "tokens per KV cache block")
     max_num_seqs: int = setting(64, "sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")

@@ -145,7 +145,8 @@ def measure(url: str, label: str, levels: list[int], requests_per_stream: int, m
 
 
 def measure_ours(args: argparse.Namespace, levels: list[int], model_dir: Path, log_dir: Path) -> Measured:
-    options = ["--weight-format", args.weight_format, "--max-num-seqs", str(max(levels)), "--kv-cache-memory", "1GiB"]
+    options = ["--weight-format", args.weight_format, "--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs",
+               str(max(levels)), "--kv-cache-memory", "1GiB"]
     measured = Measured(OURS, "this checkout", ["tritonllm", "serve", *options], None)
     started = time.monotonic()
     print(f"{OURS}: starting (logs: {log_dir / 'tritonllm'})", flush=True)
@@ -191,9 +192,10 @@ def measure_peer(peer: Peer, args: argparse.Namespace, levels: list[int], log_di
 
 def measure_in_process(args: argparse.Namespace, levels: list[int], model_dir: Path) -> Measured:
     engine = LLMEngine(EngineConfig(model_path=str(model_dir), weight_format=args.weight_format,
-                                    max_num_seqs=max(levels)))
+                                    kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(levels)))
     engine_run(engine, 1, WARM_UP_TOKENS)
-    measured = Measured(IN_PROCESS, f"weights {engine.core.runner.weight_format}", [], None)
+    runner = engine.core.runner
+    measured = Measured(IN_PROCESS, f"weights {runner.weight_format}, KV cache {runner.kv_dtype}", [], None)
     measured.runs = {n: engine_run(engine, n, args.max_tokens) for n in levels}
     return measured
 
@@ -241,6 +243,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads for every server (default: torch's, one per physical core)")
     parser.add_argument("--weight-format", default="auto", help="ours: --weight-format")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="ours: --kv-cache-dtype")
     parser.add_argument("--ready-timeout", type=float, default=1200,
                         help="seconds a server may take to answer /health (vLLM compiles the model at start)")
     parser.add_argument("--log-dir", type=Path, help="the servers' logs (default: a new temporary directory)")

@@ -125,18 +125,24 @@ async def streaming_run(url: str, model: str, streams: int, requests_per_stream:
 
 
 def engine_run(engine: LLMEngine, batch: int, tokens: int) -> Run:
-    """`batch` requests at once, in-process; ITL is the time per decode step."""
+    """`batch` requests at once, in-process: each one's TTFT from then to the step that gives it its first token
+    (as the streaming clients measure theirs); ITL is the time per step once tokens come out."""
     run = Run()
     params = SamplingParams(max_tokens=tokens, temperature=0.7, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(batch)):
         engine.add_request(Request(f"bench-{batch}-{i}", prompt, params))
     started = last = time.perf_counter()
+    answered: set[str] = set()
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
         produced = sum(len(c.token_ids) for o in outputs for c in o.choices)
-        if produced:
-            (run.itl if run.tokens else run.ttft).append(now - last)
+        if produced and run.tokens:
+            run.itl.append(now - last)
+        for output in outputs:
+            if output.request_id not in answered and any(c.token_ids for c in output.choices):
+                answered.add(output.request_id)
+                run.ttft.append(now - started)
         run.tokens += produced
         last = now
     run.seconds = time.perf_counter() - started

@@ -132,8 +132,8 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
                                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                      workspace: DecodeWorkspace | None = None) -> torch.Tensor:
     """(`workspace` is the kernel's scratch; the reference needs none.)"""
-    keys = gather_context(k_cache, block_tables)  # [seqs, kv_heads, padded context, head_dim]
-    values = gather_context(v_cache, block_tables)
+    keys = gather_context(k_cache, block_tables).to(q.dtype)  # [seqs, kv_heads, padded context, head_dim]
+    values = gather_context(v_cache, block_tables).to(q.dtype)
     mask = torch.arange(keys.shape[-2], device=q.device) < context_lens.unsqueeze(1)
     return F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask.view(len(q), 1, 1, -1),
                                           scale=scale, enable_gqa=True).squeeze(2)

@@ -80,8 +80,8 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     for chunk, (start, query_len, context_len) in enumerate(
             zip(query_starts.tolist(), query_lens.tolist(), context_lens.tolist())):
         rows = slice(start, start + query_len)
-        keys = gather_context(k_cache, block_tables[chunk])[:, :context_len]  # [kv_heads, context, head_dim]
-        values = gather_context(v_cache, block_tables[chunk])[:, :context_len]
+        keys = gather_context(k_cache, block_tables[chunk])[:, :context_len].to(q.dtype)  # [kv_heads, context, dim]
+        values = gather_context(v_cache, block_tables[chunk])[:, :context_len].to(q.dtype)
         query = q[rows].transpose(0, 1)  # [heads, query_len, head_dim]
         if context_len == query_len:
             result = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)

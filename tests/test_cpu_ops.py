@@ -24,6 +24,7 @@ from kernels.rotary import rotary_embedding_reference
 from kernels.sampling import sample_tokens_reference
 
 CLOSE = {"atol": 2e-5, "rtol": 2e-5}
+CACHE_DTYPES = [torch.float32, torch.float16]  # the KV cache's (kv_cache_dtype auto on the CPU, float16)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,12 +150,15 @@ def test_rotary_embedding_in_place_on_strided_views(heads, kv_heads, head_dim, t
     torch.testing.assert_close(k, k_ref, **CLOSE)
 
 
-def test_store_kv_cache_from_strided_views():
-    kv_heads, head_dim, tokens = 3, 64, 6
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 36])  # 36: rows of 108 floats, not whole vectors of 8
+def test_store_kv_cache_from_strided_views(cache_dtype, head_dim):
+    """float16 caches get each value rounded to nearest even, as torch rounds it: the same bits."""
+    kv_heads, tokens = 3, 6
     qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim)
     _, k, v = qkv.split([9 * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
-    caches = [torch.zeros(8, 16, kv_heads, head_dim) for _ in range(4)]
+    caches = [torch.zeros(8, 16, kv_heads, head_dim, dtype=cache_dtype) for _ in range(4)]
     slots = torch.tensor([0, 17, 127, 33, 64, 5])
     cpu.store_kv_cache(k, v, caches[0], caches[1], slots)
     store_kv_cache_reference(k, v, caches[2], caches[3], slots)
@@ -162,10 +166,11 @@ def test_store_kv_cache_from_strided_views():
 
 
 # 72: a head that is not whole AVX-512 vectors
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 80), (6, 2, 72)])
-def test_paged_decode_attention(heads, kv_heads, head_dim):
+def test_paged_decode_attention(heads, kv_heads, head_dim, cache_dtype):
     seqs, block_size, blocks = 5, 16, 40
-    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim) for _ in range(2))
+    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim).to(cache_dtype) for _ in range(2))
     tables = torch.randperm(blocks)[:seqs * 7].view(seqs, 7)
     wide = torch.zeros(seqs + 2, 9, dtype=torch.int64)  # the runner's tables are views of a wider buffer
     wide[:seqs, :7] = tables
@@ -176,11 +181,12 @@ def test_paged_decode_attention(heads, kv_heads, head_dim):
                                                                       head_dim ** -0.5), **CLOSE)
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 72)])
-def test_paged_prefill_attention(heads, kv_heads, head_dim):
+def test_paged_prefill_attention(heads, kv_heads, head_dim, cache_dtype):
     """Chunks of fresh prompts and chunks after a cached prefix (their queries are the context's last positions)."""
     block_size, blocks = 16, 60
-    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim) for _ in range(2))
+    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim).to(cache_dtype) for _ in range(2))
     query_lens = torch.tensor([1, 37, 16, 5], dtype=torch.int32)
     context_lens = torch.tensor([1, 37, 80, 150], dtype=torch.int32)  # the last two follow 64 and 145 cached
     query_starts = torch.cumsum(query_lens, 0, dtype=torch.int32) - query_lens
@@ -195,9 +201,10 @@ def test_paged_prefill_attention(heads, kv_heads, head_dim):
                                                                  context_lens, tables, head_dim ** -0.5), **CLOSE)
 
 
-def test_a_prefill_row_equals_the_same_position_decoded():
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+def test_a_prefill_row_equals_the_same_position_decoded(cache_dtype):
     """Prefill and decode rows run the same attention: a position's output does not depend on how it was batched."""
-    k_cache, v_cache = (torch.randn(20, 16, 3, 64) for _ in range(2))
+    k_cache, v_cache = (torch.randn(20, 16, 3, 64).to(cache_dtype) for _ in range(2))
     tables = torch.randperm(20)[:8].view(1, 8)
     q = torch.randn(40, 9, 64)
     prefill = cpu.prefill_attention(q, k_cache, v_cache, torch.tensor([0], dtype=torch.int32),
@@ -225,7 +232,8 @@ def test_one_openmp_runtime_in_the_process():
     assert len(mapped) == 1, mapped
 
 
-def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir, kv_cache_dtype):
     """The default model with int4 weights decodes through llama_decode; the same requests op by op give the same
     hidden states, to the bit (and so the same tokens), for a batch of sequences at different lengths."""
     from backend.config import EngineConfig
@@ -234,7 +242,7 @@ def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir)
     from engine_helpers import generate
 
     engines = [LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4", dtype="float32",
-                                      kv_cache_memory=32 << 20)) for _ in range(2)]
+                                      kv_cache_memory=32 << 20, kv_cache_dtype=kv_cache_dtype)) for _ in range(2)]
     assert engines[0].core.runner.model.decodes_in_one_call
     engines[1].core.runner.model.decodes_in_one_call = False
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True, return_hidden_states=True)

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
+from backend.engine.model_runner import kv_cache_dtype
 from backend.engine.scheduler import ScheduledSequence
 from backend.interface.parameters import SamplingParams
 from backend.layers.attention import AttentionMetadata
 from backend.llm_engine import LLMEngine, Request
-from engine_helpers import EXACT, TorchOps
+from engine_helpers import EXACT, TorchOps, generate
 
 # ops that read a tensor's values back to the host (a device sync) or give data-dependent shapes
 DATA_DEPENDENT = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten._unique2.default",
@@ -129,3 +130,32 @@ def test_the_formats_are_timed_on_a_copy_that_fits_in_half_the_memory_available(
     assert len(copy.layers) == 10 and len(model.layers) == 30
     assert torch.equal(copy.layers[9].mlp.down_proj.weight, model.layers[9].mlp.down_proj.weight)
     assert copy.layers[9].mlp.down_proj.weight.data_ptr() != model.layers[9].mlp.down_proj.weight.data_ptr()
+
+
+def test_a_float16_kv_cache_holds_twice_the_blocks_and_moves_logprobs_by_its_rounding_only(default_model_dir):
+    """kv_cache_dtype float16 (the CPU ops read it, prefill and decode): the same memory holds twice the blocks, the
+    prompt logprobs move by the keys' and values' rounding (~1e-3, not 0: the cache really is float16), and the
+    greedy tokens stay those of the float32 cache."""
+    config = dict(model_path=str(default_model_dir), weight_format="int4", dtype="float32", kv_cache_memory=32 << 20)
+    engines = {dtype: LLMEngine(EngineConfig(**config, kv_cache_dtype=dtype)) for dtype in ("auto", "float16")}
+    runners = {dtype: engine.core.runner for dtype, engine in engines.items()}
+    assert runners["auto"].kv_caches[0][0].dtype == torch.float32
+    assert runners["float16"].kv_caches[0][0].dtype == torch.float16
+    assert 2 * runners["float16"].bytes_per_block == runners["auto"].bytes_per_block
+    assert runners["float16"].num_blocks >= 2 * runners["auto"].num_blocks
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    results = {dtype: generate(engine, prompts, params) for dtype, engine in engines.items()}
+    for exact, half in zip(results["auto"], results["float16"]):
+        assert half.token_ids() == exact.token_ids() and len(exact.token_ids()) == 32
+        moved = [abs(a.logprob - b.logprob) for a, b in zip(*(
+            next(o.prompt_logprobs for o in r.outputs if o.prompt_logprobs is not None)[1:] for r in (exact, half)))]
+        assert 0 < max(moved) < 2e-2
+
+
+def test_a_float16_kv_cache_is_for_the_cpu_ops_float32_activations():
+    assert kv_cache_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    assert kv_cache_dtype("float16", torch.float32, torch.device("cpu")) == torch.float16
+    for activations, device in ((torch.bfloat16, "cpu"), (torch.float32, "cuda"), (torch.bfloat16, "cuda")):
+        with pytest.raises(ValueError, match="kv_cache_dtype=float16 is for the CPU engine"):
+            kv_cache_dtype("float16", activations, torch.device(device))

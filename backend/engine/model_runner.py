@@ -143,6 +143,17 @@ def _decode_step_seconds(model: LlamaForCausalLM) -> float:
     return total
 
 
+def kv_cache_dtype(requested: str, activations: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the activations' (auto), or float16 for the CPU ops' attention, which reads it with
+    float32 activations (the GPU kernels and the bfloat16 path read the activations' dtype only)."""
+    if requested == "auto":
+        return activations
+    if device.type != "cpu" or activations != torch.float32:
+        raise ValueError(f"kv_cache_dtype={requested} is for the CPU engine with float32 activations (this engine: "
+                         f"{device.type}, {str(activations).removeprefix('torch.')}); leave it auto")
+    return torch.float16
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path):
         self.device = resolve_device(config.device)
@@ -151,21 +162,23 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model, self.weight_format = load_model(config, model_dir, self.device)
         self.dtype = self.model.embed_tokens.weight.dtype
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         arch = self.model.arch
         block_shape = (self.block_size, arch.num_kv_heads, arch.head_dim)
         self.bytes_per_block = (2 * arch.num_layers * self.block_size * arch.num_kv_heads * arch.head_dim
-                                * self.dtype.itemsize)
+                                * self.kv_dtype.itemsize)
         self.num_blocks = config.kv_cache_memory // self.bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block "
                              f"({self.bytes_per_block} bytes)")
         self.kv_caches = [
-            (torch.zeros(self.num_blocks, *block_shape, dtype=self.dtype, device=self.device),
-             torch.zeros(self.num_blocks, *block_shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(self.num_blocks, *block_shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(self.num_blocks, *block_shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(arch.num_layers)
         ]
-        log.info("model on %s, weights %s; KV cache: %d blocks of %d tokens (%.0f MiB)", self.device,
-                 self.weight_format, self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
+        log.info("model on %s, weights %s; KV cache: %d blocks of %d tokens (%.0f MiB, %s)", self.device,
+                 self.weight_format, self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20,
+                 self.kv_dtype)
         if config.lora_dir and arch.is_moe:
             raise ValueError("LoRA adapters are supported on dense models only; this model has experts "
                              "(leave lora_dir empty)")

@@ -39,15 +39,16 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
-    "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p],
-    "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p],
+    "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
+    "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p,
+                                _i64],
     "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
-    "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p],
+    "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _i64],
     "silu_and_mul": [_p, _i64, _i64, _p],
     "sample_rows": [_p, _p, _i64, _i64, _p, _p, _p, _p],
     "llama_decode": [_p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _p, _p, _p, _i64, _p, _i64, _p, _i64,
-                     _p, _p],
+                     _p, _p, _i64],
 }
 
 
@@ -201,18 +202,27 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
                                q.shape[0], q.shape[2], cos.data_ptr(), sin.data_ptr())
 
 
+def _half(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
+    """The ops' `half` flag for a KV cache: 1 for float16, 0 for float32, None for what they do not read."""
+    if k_cache.dtype != v_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    return {torch.float32: 0, torch.float16: 1}.get(k_cache.dtype)
+
+
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    if not (_rows(k) and _rows(v) and slot_mapping.dtype == torch.int64 and k_cache.is_contiguous()):
+    half = _half(k_cache, v_cache)
+    if not (_rows(k) and _rows(v) and slot_mapping.dtype == torch.int64 and half is not None):
         return store_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
     slots = slot_mapping.contiguous()
     _library.store_kv_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
-                             k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
+                             k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), half)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, workspace=None) -> torch.Tensor:
-    if not (_rows(q) and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int32):
+    half = _half(k_cache, v_cache)
+    if not (_rows(q) and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int32 and half is not None):
         return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
     seqs, heads, head_dim = q.shape
     out = torch.empty(seqs, heads, head_dim, dtype=torch.float32)
@@ -221,14 +231,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     _library.paged_decode_attention(q.data_ptr(), q.stride(0), seqs, heads, head_dim, k_cache.data_ptr(),
                                      v_cache.data_ptr(), block_size, kv_heads, tables.data_ptr(), tables.stride(0),
-                                     lens.data_ptr(), tables.shape[1] * block_size, scale, out.data_ptr())
+                                     lens.data_ptr(), tables.shape[1] * block_size, scale, out.data_ptr(), half)
     return out
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
                       query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    if not (_rows(q) and block_tables.dtype == torch.int64 and
+    half = _half(k_cache, v_cache)
+    if not (_rows(q) and block_tables.dtype == torch.int64 and half is not None and
             all(t.dtype == torch.int32 for t in (query_starts, query_lens, context_lens))):
         return prefill_attention_reference(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables,
                                            scale)
@@ -239,7 +250,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _library.paged_prefill_attention(q.data_ptr(), q.stride(0), len(starts), starts.data_ptr(), lens.data_ptr(),
                                       contexts.data_ptr(), heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
                                       k_cache.shape[1], k_cache.shape[2], tables.data_ptr(), tables.stride(0), scale,
-                                      out.data_ptr())
+                                      out.data_ptr(), half)
     return out
 
 
@@ -273,9 +284,10 @@ def decoder_layers(layers: list[dict[str, torch.Tensor]]) -> ctypes.Array:
 def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                  intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, block_size: int, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 context_lens: torch.Tensor, half_cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a dense decoder over one-token queries: the embeddings [tokens, hidden] → (the last MLP's
-    output, the residual stream before it), as the layers op by op would give them."""
+    output, the residual stream before it), as the layers op by op would give them. half_cache: the layers' KV
+    caches are float16 (else float32)."""
     hidden = hidden.contiguous().clone()  # written in place
     residual = torch.empty_like(hidden)
     tables = _table(block_tables)
@@ -283,5 +295,5 @@ def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_head
     _library.llama_decode(ctypes.addressof(layers), len(layers), hidden.shape[0], hidden.shape[1], heads, kv_heads,
                           head_dim, intermediate, eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                           block_size, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                          tables.shape[1] * block_size, hidden.data_ptr(), residual.data_ptr())
+                          tables.shape[1] * block_size, hidden.data_ptr(), residual.data_ptr(), int(half_cache))
     return hidden, residual

@@ -3,7 +3,8 @@
  *
  * Every op computes each output row on its own, in a fixed order: a token's result does not depend on what it
  * is batched with, to the bit. Reductions are written with explicit vectors (the compiler may not reorder a
- * float sum by itself), elementwise loops are left to its vectorizer. All tensors are float32 unless named. */
+ * float sum by itself), elementwise loops are left to its vectorizer. All tensors are float32 unless named; the KV
+ * cache is float32 or float16 (`half`). */
 
 #include <immintrin.h>
 #include <math.h>
@@ -326,6 +327,25 @@ BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
  * Caches: [blocks][block_size][kv_heads][D]; a sequence's block table lists its blocks. Query heads g * G ..
  * g * G + G - 1 read kv head g. */
 
+/* A KV cache's elements are float32, or float16 when `half` (half the bytes that attention, bound by memory
+ * reads, streams; F16C converts VLEN of them in one instruction, rounding to nearest even like torch). */
+static inline const void *cache_row(const void *cache, int64_t element, int half) {
+    return (const char *)cache + element * (half ? 2 : 4);
+}
+
+static inline vf load_cached(const void *row, int64_t i, int half) {
+    if (!half) return load((const float *)row + i);
+#if VLEN == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+#else
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+#endif
+}
+
+static inline float cached(const void *row, int64_t i, int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
 typedef struct { /* one thread's scratch: scores of G heads over the longest context, and their outputs */
     float *scores, *acc;
     int64_t row_len;
@@ -346,27 +366,30 @@ static void free_scratch(AttentionScratch scratch) {
 
 /* One query position's G heads (qs: G heads of D back to back) attending to the first n positions of a sequence
  * (table: its blocks) through kv head g; out: G heads of D. Decode and prefill rows both come here, so a
- * position's result does not depend on how it was batched. */
-static void attend(const float *qs, int64_t group, int64_t D, int64_t n, const int64_t *table, const float *k_cache,
-                   const float *v_cache, int64_t block_size, int64_t kv_heads, int64_t g, float scale,
-                   AttentionScratch scratch, float *out) {
+ * position's result does not depend on how it was batched. Inlined with `half` a constant: a copy per cache type. */
+static inline __attribute__((always_inline)) void attend(
+    const float *qs, int64_t group, int64_t D, int64_t n, const int64_t *table, const void *k_cache,
+    const void *v_cache, int64_t block_size, int64_t kv_heads, int64_t g, float scale, AttentionScratch scratch,
+    float *out, const int half) {
     float *const scores = scratch.scores, *const acc = scratch.acc;
-    const int64_t row_len = scratch.row_len;
+    const int64_t row_len = scratch.row_len, row_bytes = D * (half ? 2 : 4);
 /* this kv head's row of position p in a cache */
-#define head_row(cache, p) ((cache) + ((table[(p) / block_size] * block_size + (p) % block_size) * kv_heads + g) * D)
+#define head_row(cache, p) \
+    cache_row(cache, ((table[(p) / block_size] * block_size + (p) % block_size) * kv_heads + g) * D, half)
     for (int64_t p0 = 0; p0 < n; p0 += VLEN) { /* VLEN positions' dot products, summed together */
         for (int64_t p = p0 + VLEN; p < p0 + 2 * VLEN && p < n; p++) /* the next ones' keys */
-            for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(head_row(k_cache, p) + c, 0, 3);
+            for (int64_t byte = 0; byte < row_bytes; byte += 64)
+                __builtin_prefetch((const char *)head_row(k_cache, p) + byte, 0, 3);
         for (int64_t h = 0; h < group; h++) {
             const float *qh = qs + h * D;
             vf partial[VLEN];
             for (int64_t j = 0; j < VLEN; j++) {
                 partial[j] = (vf){0};
                 if (p0 + j >= n) continue;
-                const float *k = head_row(k_cache, p0 + j);
+                const void *k = head_row(k_cache, p0 + j);
                 int64_t c = 0;
-                for (; c + VLEN <= D; c += VLEN) partial[j] += load(qh + c) * load(k + c);
-                for (; c < D; c++) partial[j][0] += qh[c] * k[c];
+                for (; c + VLEN <= D; c += VLEN) partial[j] += load(qh + c) * load_cached(k, c, half);
+                for (; c < D; c++) partial[j][0] += qh[c] * cached(k, c, half);
             }
             store(scores + h * row_len + p0, lane_sums(partial) * scale);
         }
@@ -395,10 +418,10 @@ static void attend(const float *qs, int64_t group, int64_t D, int64_t n, const i
         for (; c + VALUE_CHUNK * VLEN <= D; c += VALUE_CHUNK * VLEN) {
             vf sums[HEAD_TILE][VALUE_CHUNK] = {{{0}}};
             for (int64_t p = 0; p < n; p++) {
-                const float *v = head_row(v_cache, p) + c;
-                if (p + VLEN < n) __builtin_prefetch(head_row(v_cache, p + VLEN) + c, 0, 3);
+                const void *v = head_row(v_cache, p);
+                if (p + VLEN < n) __builtin_prefetch(cache_row(head_row(v_cache, p + VLEN), c, half), 0, 3);
                 vf values[VALUE_CHUNK];
-                for (int i = 0; i < VALUE_CHUNK; i++) values[i] = load(v + i * VLEN);
+                for (int i = 0; i < VALUE_CHUNK; i++) values[i] = load_cached(v, c + i * VLEN, half);
                 for (int hh = 0; hh < HEAD_TILE; hh++) {
                     const vf w = splat(weights[hh * row_len + p]);
                     for (int i = 0; i < VALUE_CHUNK; i++) sums[hh][i] += w * values[i];
@@ -410,7 +433,7 @@ static void attend(const float *qs, int64_t group, int64_t D, int64_t n, const i
         for (; c < D; c++)
             for (int hh = 0; hh < HEAD_TILE; hh++) {
                 float sum = 0.0f;
-                for (int64_t p = 0; p < n; p++) sum += weights[hh * row_len + p] * head_row(v_cache, p)[c];
+                for (int64_t p = 0; p < n; p++) sum += weights[hh * row_len + p] * cached(head_row(v_cache, p), c, half);
                 acc[(h0 + hh) * D + c] = sum;
             }
     }
@@ -421,9 +444,9 @@ static void attend(const float *qs, int64_t group, int64_t D, int64_t n, const i
 /* One-token queries: q [S] rows of q_stride floats, heads of D at h * D; sequence s attends to its first
  * context_lens[s] positions; block_tables: [S][table_stride] int64; out: [S][H][D]. */
 void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t H, int64_t D,
-                            const float *k_cache, const float *v_cache, int64_t block_size, int64_t kv_heads,
+                            const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
                             const int64_t *block_tables, int64_t table_stride, const int32_t *context_lens,
-                            int64_t max_context, float scale, float *out) {
+                            int64_t max_context, float scale, float *out, int64_t half) {
     const int64_t group = H / kv_heads;
 #pragma omp parallel
     {
@@ -431,8 +454,15 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < S * kv_heads; task++) {
             const int64_t s = task / kv_heads, g = task % kv_heads;
-            attend(q + s * q_stride + g * group * D, group, D, context_lens[s], block_tables + s * table_stride,
-                   k_cache, v_cache, block_size, kv_heads, g, scale, scratch, out + (s * H + g * group) * D);
+            const float *qs = q + s * q_stride + g * group * D;
+            const int64_t *table = block_tables + s * table_stride;
+            float *at = out + (s * H + g * group) * D;
+            if (half)
+                attend(qs, group, D, context_lens[s], table, k_cache, v_cache, block_size, kv_heads, g, scale, scratch,
+                       at, 1);
+            else
+                attend(qs, group, D, context_lens[s], table, k_cache, v_cache, block_size, kv_heads, g, scale, scratch,
+                       at, 0);
         }
         free_scratch(scratch);
     }
@@ -444,8 +474,9 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
  * out: [rows][H][D]. */
 void paged_prefill_attention(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
                              const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
-                             const float *k_cache, const float *v_cache, int64_t block_size, int64_t kv_heads,
-                             const int64_t *block_tables, int64_t table_stride, float scale, float *out) {
+                             const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
+                             const int64_t *block_tables, int64_t table_stride, float scale, float *out,
+                             int64_t half) {
     const int64_t group = H / kv_heads;
     int64_t rows = 0, max_context = 0;
     for (int64_t c = 0; c < chunks; c++) {
@@ -462,8 +493,15 @@ void paged_prefill_attention(const float *q, int64_t q_stride, int64_t chunks, c
             if (row < query_starts[c]) c = 0;
             while (row >= query_starts[c] + query_lens[c]) c++;
             const int64_t position = context_lens[c] - query_lens[c] + (row - query_starts[c]);
-            attend(q + row * q_stride + g * group * D, group, D, position + 1, block_tables + c * table_stride,
-                   k_cache, v_cache, block_size, kv_heads, g, scale, scratch, out + (row * H + g * group) * D);
+            const float *qs = q + row * q_stride + g * group * D;
+            const int64_t *table = block_tables + c * table_stride;
+            float *at = out + (row * H + g * group) * D;
+            if (half)
+                attend(qs, group, D, position + 1, table, k_cache, v_cache, block_size, kv_heads, g, scale, scratch,
+                       at, 1);
+            else
+                attend(qs, group, D, position + 1, table, k_cache, v_cache, block_size, kv_heads, g, scale, scratch,
+                       at, 0);
         }
         free_scratch(scratch);
     }
@@ -512,12 +550,26 @@ void rotary_embedding(float *q, int64_t q_stride, int64_t q_heads, float *k, int
     }
 }
 
-/* k, v: [T] rows of their strides holding `width` floats each; written to row slot_mapping[t] of the caches. */
+/* n floats as float16, rounded to nearest even */
+static void to_half(const float *from, int64_t n, uint16_t *to) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(to + i), _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) to[i] = _cvtss_sh(from[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* k, v: [T] rows of their strides holding `width` floats each; written to row slot_mapping[t] of the caches (as
+ * float16 when `half`). */
 void store_kv_cache(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T, int64_t width,
-                    float *k_cache, float *v_cache, const int64_t *slot_mapping) {
+                    void *k_cache, void *v_cache, const int64_t *slot_mapping, int64_t half) {
     for (int64_t t = 0; t < T; t++) {
-        memcpy(k_cache + slot_mapping[t] * width, k + t * k_stride, (size_t)(width * 4));
-        memcpy(v_cache + slot_mapping[t] * width, v + t * v_stride, (size_t)(width * 4));
+        if (half) {
+            to_half(k + t * k_stride, width, (uint16_t *)k_cache + slot_mapping[t] * width);
+            to_half(v + t * v_stride, width, (uint16_t *)v_cache + slot_mapping[t] * width);
+        } else {
+            memcpy((float *)k_cache + slot_mapping[t] * width, k + t * k_stride, (size_t)(width * 4));
+            memcpy((float *)v_cache + slot_mapping[t] * width, v + t * v_stride, (size_t)(width * 4));
+        }
     }
 }
 
@@ -543,16 +595,16 @@ void silu_and_mul(const float *x, int64_t rows, int64_t width, float *out) {
 typedef struct {
     const float *input_norm, *post_attention_norm; /* [hidden] */
     const uint8_t *qkv, *o, *gate_up, *down;       /* Q4 blocks */
-    float *k_cache, *v_cache;                      /* [blocks][block_size][kv_heads][head_dim] */
+    void *k_cache, *v_cache;                       /* [blocks][block_size][kv_heads][head_dim], float32 or 16 */
 } DecoderLayer;
 
 /* hidden: [T][hidden] the embeddings in, the last layer's MLP output out; residual: [T][hidden] out (their sum is
- * the decoder's output). cos, sin: [T][head_dim / 2]. */
+ * the decoder's output). cos, sin: [T][head_dim / 2]. half_cache: the layers' KV caches are float16. */
 void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int64_t hidden_size, int64_t heads,
                   int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps, float scale,
                   const float *cos, const float *sin, const int64_t *slot_mapping, int64_t block_size,
                   const int64_t *block_tables, int64_t table_stride, const int32_t *context_lens,
-                  int64_t max_context, float *hidden, float *residual) {
+                  int64_t max_context, float *hidden, float *residual, int64_t half_cache) {
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     float *normed = malloc((size_t)(T * hidden_size * 4)), *qkv = malloc((size_t)(T * qkv_width * 4));
     float *attention = malloc((size_t)(T * q_width * 4)), *gate_up = malloc((size_t)(T * 2 * intermediate * 4));
@@ -568,9 +620,10 @@ void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int
         q4_matmul(normed, T, hidden_size, layer->qkv, qkv_width, qkv);
         rotary_embedding(qkv, qkv_width, heads, qkv + q_width, qkv_width, kv_heads, T, head_dim, cos, sin);
         store_kv_cache(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, T, kv_width, layer->k_cache,
-                       layer->v_cache, slot_mapping);
+                       layer->v_cache, slot_mapping, half_cache);
         paged_decode_attention(qkv, qkv_width, T, heads, head_dim, layer->k_cache, layer->v_cache, block_size,
-                               kv_heads, block_tables, table_stride, context_lens, max_context, scale, attention);
+                               kv_heads, block_tables, table_stride, context_lens, max_context, scale, attention,
+                               half_cache);
         q4_matmul(attention, T, q_width, layer->o, hidden_size, hidden);
         rms_norm(hidden, residual, layer->post_attention_norm, T, hidden_size, eps, normed, residual);
         q4_matmul(normed, T, hidden_size, layer->gate_up, 2 * intermediate, gate_up);
