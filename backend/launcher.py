@@ -25,6 +25,11 @@ from backend.parent_death import die_with_parent
 
 MODEL_NAME = "llm"
 SOURCE_MODEL_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
+# The engine process's environment, read before torch allocates anything (a value already set wins).
+# THP_MEM_ALLOC_ENABLE: torch's CPU allocator backs each buffer of 2 MiB or more with transparent huge pages
+# (2 MiB aligned, madvise), so the weights and the KV cache stream through a few TLB entries instead of one per
+# 4 KiB: the one-token step took 0.85x the time on a 2-core EPYC (and the 32-stream one 0.96x).
+ENGINE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 # --- tritonserver and its Python backend --------------------------------------------------------------------
@@ -97,6 +102,8 @@ def server_env(tritonserver: Path) -> dict[str, str]:
         library_dirs.append(str(_install_root(tritonserver).parent.parent / "nvidia_pytriton.libs"))
     env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [*library_dirs, env.get("LD_LIBRARY_PATH")]))
     env.setdefault("HF_HUB_OFFLINE", "1")  # the engine loads local files only
+    for name, value in ENGINE_ENV.items():  # the stubs inherit it
+        env.setdefault(name, value)
     # The stub's embedded Python would otherwise take the C locale's ASCII for file names and files.
     env.setdefault("PYTHONUTF8", "1")
     return env

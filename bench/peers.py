@@ -43,7 +43,7 @@ import torch
 from throughput import Run, cpu_description, engine_run, median_ms, streaming_run
 
 from backend.config import EngineConfig
-from backend.launcher import answers_ok
+from backend.launcher import ENGINE_ENV, answers_ok
 from backend.llm_engine import LLMEngine
 from backend.model_files import default_gguf_path, prepare_default_model
 from stack_helpers import free_ports, running_stack
@@ -251,8 +251,11 @@ def main() -> None:
     parser.add_argument("--isa", choices=["native", "avx2"], default="native",
                         help="avx2: every server on AVX2-only code paths (see above)")
     args = parser.parse_args()
-    if args.isa == "avx2" and any(os.environ.get(name) != value for name, value in AVX2_ONLY.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY})
+    # the in-process engine runs here: this process gets the stack's engine environment from its start
+    wanted = {**{name: os.environ.get(name, value) for name, value in ENGINE_ENV.items()},
+              **(AVX2_ONLY if args.isa == "avx2" else {})}
+    if any(os.environ.get(name) != value for name, value in wanted.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
     levels = [int(n) for n in args.streams.split(",")]
     # A plain `kill` ends this run like Ctrl-C: through the `finally` blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -10,6 +10,7 @@ import queue
 import re
 import socket
 import sys
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -191,6 +192,26 @@ def test_server_env_runs_stubs_on_this_interpreter():
     assert library_dirs[0] == sysconfig.get_config_var("LIBDIR")
     assert any(Path(directory).name == "nvidia_pytriton.libs" for directory in library_dirs)
     assert env["PYTHONUTF8"] == "1"
+
+
+def test_the_engine_gets_huge_pages_for_its_large_buffers_unless_told_otherwise(monkeypatch):
+    """ENGINE_ENV reaches the stubs, a value already set wins, and this venv's torch honours it: a large CPU tensor
+    made under it is backed by transparent huge pages (where the kernel allows them at all)."""
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    env = launcher.server_env(_wheel_tritonserver())
+    assert env["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert launcher.server_env(_wheel_tritonserver())["THP_MEM_ALLOC_ENABLE"] == "0"
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this kernel gives no transparent huge pages")
+    probe = ("import re, torch; x = torch.zeros(16 << 20); "
+             "print(re.search(r'AnonHugePages:\\s+(\\d+)', open('/proc/self/smaps_rollup').read()).group(1))")
+    huge_kib = {value: int(subprocess.run([sys.executable, "-c", probe], env={**env, "THP_MEM_ALLOC_ENABLE": value},
+                                          capture_output=True, text=True, check=True).stdout) for value in ("0", "1")}
+    assert huge_kib["1"] >= 32 << 10  # most of the 64 MiB tensor
+    if "[madvise]" in mode.read_text():  # (under "always" the kernel may give any large buffer huge pages)
+        assert huge_kib["0"] < 32 << 10
 
 
 # --- model resolution ---------------------------------------------------------------------------------------------
