@@ -12,7 +12,8 @@ from backend.interface import settings
 from backend.interface.settings import setting
 
 SCHEDULING_POLICIES = ("fcfs", "priority")  # backend/engine/scheduler.py says what each does
-WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4")  # backend/layers/linear.py says what each is
+# backend/layers/linear.py says what each is
+WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "int4-q8")
 KV_CACHE_DTYPES = ("auto", "float16")  # backend/engine/model_runner.py: kv_cache_dtype
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -44,8 +45,9 @@ class EngineConfig:
     model_path: str = setting("", "HF model directory or .gguf file; empty for the default model", option="model")
     dtype: str = setting("auto", "activations dtype, the KV cache's too unless kv_cache_dtype says otherwise (auto: "
                                  "bfloat16 on CUDA; on the CPU what the weight format runs with)")
-    weight_format: str = setting("auto", "CPU projection weights: float32, float16, bfloat16, int8 or int4; auto "
-                                         "times the exact or near-exact ones at load and takes the fastest",
+    weight_format: str = setting("auto", "CPU projection weights: float32, float16, bfloat16, int8, int4 or int4-q8 "
+                                         "(int4 with llama.cpp's int8 activations); auto times the exact or "
+                                         "near-exact ones at load and takes the fastest",
                                  choices=WEIGHT_FORMATS)
     device: str = setting("auto", "cpu, cuda or auto (cuda when available)")
     kv_cache_memory: int = setting(1 << 30, "bytes for the paged KV cache of each engine instance (e.g. 512MiB, 8GiB)",

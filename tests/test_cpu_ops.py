@@ -92,6 +92,68 @@ def test_q8_matmul_rows_do_not_depend_on_the_batch():
             assert torch.equal(cpu.q8_matmul(x[start:start + size], packed), together[start:start + size])
 
 
+def _q8_activations(x: torch.Tensor):
+    """Each token's inputs per block of 32 as llama.cpp's Q8_1: codes round(x · 127 / absmax) (ties to even), the
+    scale dx = absmax / 127 and sx = dx · Σ codes, in float32 as the op computes them."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    absmax = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(absmax > 0, torch.tensor(127.0) / absmax, torch.tensor(0.0))
+    codes = torch.round(blocks * inverse)
+    scales = absmax / 127
+    return codes, scales, scales * codes.sum(dim=-1, keepdim=True)
+
+
+def _q8_activation_reference(x: torch.Tensor, codes_w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
+    """Σ_b dw·dx·(Σ code products) (+ mw·sx), in float64: the int8-activation ops' numerics up to float32 rounding
+    of the scaled sums."""
+    codes, scales, sums = (t.double() for t in _q8_activations(x))
+    products = torch.einsum("tbk,nbk->tnb", codes, codes_w.double().reshape(codes_w.shape[0], -1, 32))
+    y = (products * (scales[..., 0][:, None, :] * d.double()[None])).sum(-1)
+    return y if m is None else y + sums[..., 0] @ m.double().T
+
+
+@pytest.mark.parametrize("rows, width", [(4, 32), (7, 96), (960, 576), (577, 1536)])
+@pytest.mark.parametrize("tokens", [1, 3, 5, 70])
+def test_q4_q8_matmul_is_llama_cpps_q4_1_by_q8_1_dot(rows, width, tokens):
+    q = torch.randint(0, 16, (rows, width), dtype=torch.uint8)
+    d, m = (torch.rand(rows, width // 32) * 0.02).half(), (-torch.rand(rows, width // 32) * 0.1).half()
+    packed = cpu.pack_q4(q, d, m)
+    x = torch.randn(tokens, width)
+    if width > 32:
+        x[-1, -32:] = 0  # an all-zero block: dx = 0, codes 0
+    ours = cpu.q4_q8_matmul(x, packed)
+    expected = _q8_activation_reference(x, q, d.float(), m.float())
+    torch.testing.assert_close(ours.double(), expected, atol=1e-4, rtol=1e-4)
+    # the activations are quantized: not the fp32-activation op's result
+    dense = d.float().repeat_interleave(32, 1) * q + m.float().repeat_interleave(32, 1)
+    assert (ours - x @ dense.T).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("rows, width", [(4, 32), (577, 576)])
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_q8_q8_matmul_is_llama_cpps_q8_0_by_q8_1_dot(rows, width, tokens):
+    dense = _q8(rows, width)
+    packed = cpu.pack_q8_exact(dense)
+    blocks = dense.reshape(rows, -1, 32)
+    d = packed[..., :2].contiguous().view(torch.float16)[..., 0].float()
+    codes_w = torch.where(d[..., None] == 0, 0.0, blocks / d[..., None]).reshape(rows, width)
+    x = torch.randn(tokens, width)
+    ours = cpu.q8_q8_matmul(x, packed)
+    torch.testing.assert_close(ours.double(), _q8_activation_reference(x, codes_w, d, None), atol=1e-4, rtol=1e-4)
+    assert (ours - x @ dense.T).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("op", ["q4_q8_matmul", "q8_q8_matmul"])
+def test_int8_activation_rows_do_not_depend_on_the_batch(op):
+    packed = _q4(131, 576)[0] if op == "q4_q8_matmul" else cpu.pack_q8_exact(_q8(131, 576))
+    x = torch.randn(37, 576)
+    x[5] *= 50  # a loud token changes nothing for the others: each token's blocks have their own scales
+    together = getattr(cpu, op)(x, packed)
+    for size in (1, 2, 3, 4, 5, 9):
+        for start in range(0, len(x) - size + 1, 7):
+            assert torch.equal(getattr(cpu, op)(x[start:start + size], packed), together[start:start + size])
+
+
 def test_only_weights_that_are_q8_0_blocks_to_the_bit_are_packed_as_q8_0():
     dense = _q8(64, 128)
     dense[3, 0:32] = 0  # an all-zero block is one (d = 0)
@@ -232,16 +294,18 @@ def test_one_openmp_runtime_in_the_process():
     assert len(mapped) == 1, mapped
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
-def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir, kv_cache_dtype):
-    """The default model with int4 weights decodes through llama_decode; the same requests op by op give the same
-    hidden states, to the bit (and so the same tokens), for a batch of sequences at different lengths."""
+@pytest.mark.parametrize("weight_format, kv_cache_dtype", [("int4", "auto"), ("int4", "float16"),
+                                                           ("int4-q8", "auto")])
+def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir, weight_format, kv_cache_dtype):
+    """The default model with int4 weights (fp32 or int8 activations) decodes through llama_decode; the same
+    requests op by op give the same hidden states, to the bit (and so the same tokens), for a batch of sequences at
+    different lengths."""
     from backend.config import EngineConfig
     from backend.interface.parameters import SamplingParams
     from backend.llm_engine import LLMEngine
     from engine_helpers import generate
 
-    engines = [LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4", dtype="float32",
+    engines = [LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format=weight_format, dtype="float32",
                                       kv_cache_memory=32 << 20, kv_cache_dtype=kv_cache_dtype)) for _ in range(2)]
     assert engines[0].core.runner.model.decodes_in_one_call
     engines[1].core.runner.model.decodes_in_one_call = False

@@ -22,13 +22,14 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 # max |Δlogit| against float32 (logits span about ±27 here): float16 rounds the weights to an 11-bit mantissa
 # and computes in fp32; bf16 activations round every layer's input to an 8-bit mantissa; int8 re-quantizes the
 # 4-bit weights per output channel and each token's activations to 8 bits; int4 with fp32 activations computes
-# with exactly the checkpoint's weights.
+# with exactly the checkpoint's weights; int4-q8 with those weights and each block of 32 inputs as 8-bit codes.
 # int4's fp32 figure is the fp16 LM head's (its projections are the checkpoint's own numbers).
-LOGIT_TOLERANCE = {"float16": 0.05, "bfloat16": 2.0, "int8": 9.0,
+LOGIT_TOLERANCE = {"float16": 0.05, "bfloat16": 2.0, "int8": 9.0, "int4-q8": 2.0,
                    "int4": {torch.float32: 0.05, torch.bfloat16: 2.0}}
 # (weight format, dtype): each format as it runs by default here, and int4 with either activation dtype
 FORMATS = [("float32", "auto"), ("float16", "auto"), ("bfloat16", "auto"), ("int8", "auto"), ("int4", "float32"),
-           ("int4", "bfloat16")]
+           ("int4", "bfloat16"), ("int4-q8", "auto")]
+LOSSY = ("int8", "int4-q8")  # quantized activations: asked for, never picked by auto
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,8 @@ def float32_greedy(default_model_dir):
 
 def test_greedy_text_agrees_with_float32(format_engine, float32_greedy):
     """What auto may pick keeps every greedy continuation; bf16 activations, asked for, may change one; int8's
-    per-token activations (lossy, asked for) keep only some (1 to 2 of 4 here, moved by float32 rounding elsewhere)."""
+    per-token activations and int4-q8's per-block ones (lossy, asked for) keep only some (int8: 1 to 2 of 4 here,
+    int4-q8: 3; moved by float32 rounding elsewhere)."""
     ours = [r.token_ids() for r in generate(format_engine, PROMPTS, SamplingParams(max_tokens=8, temperature=0))]
     same = sum(a == b for a, b in zip(ours, float32_greedy))
     runner = format_engine.core.runner
@@ -88,7 +90,7 @@ def test_greedy_text_agrees_with_float32(format_engine, float32_greedy):
     if (format_engine.config.weight_format, runner.dtype) in auto_may_pick:
         assert same == len(PROMPTS)
     else:
-        assert same >= 1 if format_engine.config.weight_format == "int8" else len(PROMPTS) - 1
+        assert same >= 1 if format_engine.config.weight_format in LOSSY else len(PROMPTS) - 1
 
 
 def test_seeded_output_does_not_depend_on_the_batch(format_engine):
@@ -134,6 +136,16 @@ def test_auto_considers_only_exact_or_near_exact_formats(monkeypatch):
         linear.candidates("int4", None, has_q4=False)
     with pytest.raises(ValueError, match="weight_format"):
         linear.candidates("fp8", None, has_q4=True)
+    # int4-q8: the checkpoint's Q4_1 blocks through the CPU ops, their activations quantized inside the op
+    assert cpu_ops.load(cpu_ops_dir())
+    assert linear.candidates("int4-q8", None, True) == [linear.Choice("int4-q8", torch.float32, "cpu_ops")]
+    with pytest.raises(ValueError, match="Q4_1"):
+        linear.candidates("int4-q8", None, has_q4=False)
+    with pytest.raises(ValueError, match="needs torch.float32"):
+        linear.candidates("int4-q8", torch.bfloat16, True)
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    with pytest.raises(ValueError, match="CPU ops"):
+        linear.candidates("int4-q8", None, True)
 
 
 @pytest.mark.parametrize("weight_format", ["float16", "int8"])

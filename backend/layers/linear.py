@@ -14,13 +14,15 @@ checkpoint:
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
 | int4 | the checkpoint's own Q4_1 blocks (scale d, zero m per 32 weights): the CPU ops' kernel with fp32 activations, torch's with bf16 | fp32 (auto), or bf16 | fp32: exactly the shipped 4-bit weights; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4-q8 | the same Q4_1 blocks, through the CPU ops | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
 auto considers only what keeps float32's greedy output on the accuracy test set (tests/test_weight_formats.py).
 With int4 the LM head (the tied embedding, a Q8_0 tensor in the GGUF) runs as its Q8_0 blocks through the CPU
 ops (exact: found by re-blocking the weight and checking it comes back to the bit), else as float16 (fp32
-activations) or bf16 (bf16 activations); with float16 and int8 it is in the same format as the projections. Every format computes each token's row on its own (per-token
+activations) or bf16 (bf16 activations); int4-q8 runs that Q8_0 head with int8 activations too; with float16 and
+int8 it is in the same format as the projections. Every format computes each token's row on its own (per-token
 quantization, no batch-wide scales), so a request's output does not depend on what it is batched with."""
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kernels import cpu as cpu_ops
 log = logging.getLogger(__name__)
 
 INT4_GROUP = 32  # Q4_1's block size, and the int4 kernel's group
+Q4_FORMATS = ("int4", "int4-q8")  # the formats that serve a checkpoint's own Q4_1 blocks
 
 
 def cpu_has_bf16() -> bool:
@@ -156,27 +159,31 @@ class Int4Projection(Projection):
 
 
 class Q4Projection(Projection):
-    """Q4_1 weights as the checkpoint's blocks (5 bits a weight with their scales), fp32 activations: the CPU ops'
-    kernel dequantizes w = d · q + m per block in registers and multiplies in fp32."""
+    """Q4_1 weights as the checkpoint's blocks (5 bits a weight with their scales): the CPU ops' kernel
+    dequantizes w = d · q + m per block in registers and multiplies in fp32, or, with int8 activations, sums each
+    block's products of codes in integers (q4_q8_matmul)."""
 
-    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None):
+    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, int8_activations: bool):
         super().__init__(bias)
         self.packed = cpu_ops.pack_q4(weight.q, weight.d, weight.m)
+        self.int8_activations = int8_activations
+        self.op = cpu_ops.q4_q8_matmul if int8_activations else cpu_ops.q4_matmul
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.q4_matmul(x, self.packed)
+        return self.op(x, self.packed)
 
 
 class Q8Projection(Projection):
-    """Q8_0 weights as blocks (8.5 bits a weight with their scales), fp32 activations: the CPU ops' kernel
-    dequantizes w = d · q per block in registers and multiplies in fp32."""
+    """Q8_0 weights as blocks (8.5 bits a weight with their scales): the CPU ops' kernel dequantizes w = d · q per
+    block in registers and multiplies in fp32, or sums codes in integers with int8 activations."""
 
-    def __init__(self, packed: torch.Tensor):
+    def __init__(self, packed: torch.Tensor, int8_activations: bool):
         super().__init__(None)
         self.packed = packed
+        self.op = cpu_ops.q8_q8_matmul if int8_activations else cpu_ops.q8_matmul
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.q8_matmul(x, self.packed)
+        return self.op(x, self.packed)
 
 
 @dataclass(frozen=True)
@@ -185,7 +192,16 @@ class Choice:
 
     weight_format: str
     dtype: torch.dtype
-    kernel: str  # aten, onednn, fbgemm (float16), int8, int4 (torch's), cpu_ops (int4, kernels/cpu)
+    kernel: str  # aten, onednn, fbgemm (float16), int8, int4 (torch's), cpu_ops (int4 and int4-q8, kernels/cpu)
+
+    @property
+    def q4(self) -> bool:
+        """Whether the projections are the checkpoint's Q4_1 blocks."""
+        return self.weight_format in Q4_FORMATS
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.weight_format == "int4-q8"
 
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Weight | None = None) -> Projection:
         """A projection of fp32 `weight` (or of its Q4_1 blocks, for int4)."""
@@ -193,7 +209,7 @@ class Choice:
         if self.kernel == "int4":
             return Int4Projection(q4, bias, self.dtype)
         if self.kernel == "cpu_ops":
-            return Q4Projection(q4, bias)
+            return Q4Projection(q4, bias, self.int8_activations)
         if self.kernel == "int8":
             return Int8Projection(weight, bias)
         if self.kernel == "fbgemm":
@@ -206,15 +222,17 @@ class Choice:
         where the weight is exactly those (a GGUF's Q8_0 head: half fp16's bytes, and exact); otherwise near-exact:
         fp16 weights with fp32 activations, bf16 with bf16 activations."""
         if self.kernel == "cpu_ops" and (packed := cpu_ops.pack_q8_exact(weight)) is not None:
-            return Q8Projection(packed)
-        if self.weight_format == "int4" and self.dtype == torch.float32 and _fbgemm_available():
+            return Q8Projection(packed, self.int8_activations)
+        if self.q4 and self.dtype == torch.float32 and _fbgemm_available():
             return Choice("float16", self.dtype, "fbgemm").make(weight, None)
-        if self.weight_format == "int4":
+        if self.q4:
             return Choice("bfloat16", self.dtype, "onednn" if _onednn_available() else "aten").make(weight, None)
         return self.make(weight, None)
 
     def describe(self) -> str:
-        return f"{self.weight_format} ({self.kernel} kernel, {str(self.dtype).removeprefix('torch.')} activations)"
+        activations = {"int8": "int8 per token", "int4-q8": "int8 per block of 32"}.get(
+            self.weight_format, str(self.dtype).removeprefix("torch."))
+        return f"{self.weight_format} ({self.kernel} kernel, {activations} activations)"
 
 
 def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[Choice]:
@@ -232,9 +250,12 @@ def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[
                    else ["bfloat16"]) + (["int4"] if has_q4 else [])
     else:
         formats = [requested]
-        if requested == "int4" and not has_q4:
-            raise ValueError("weight_format int4 serves a checkpoint's Q4_1 weights; this model has none (it was "
-                             "not converted from a Q4_1 GGUF)")
+        if requested in Q4_FORMATS and not has_q4:
+            raise ValueError(f"weight_format {requested} serves a checkpoint's Q4_1 weights; this model has none (it "
+                             "was not converted from a Q4_1 GGUF)")
+        if requested == "int4-q8" and not cpu_ops.available():
+            raise ValueError("weight_format int4-q8 runs on the CPU ops, which could not be built here (no C "
+                             "compiler, or TRITONLLM_CPU_OPS=0)")
         # int4: fp32 through the CPU ops (exact, and faster than torch's bf16 kernel where both run), else bf16
         # activations where the CPU computes them natively
         int4_native = torch.float32 if cpu_ops.available() or not cpu_has_bf16() else torch.bfloat16
@@ -244,7 +265,7 @@ def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[
             raise ValueError(f"weight_format {requested} needs {native} activations, not dtype {dtype}")
     choices = []
     for weight_format in formats:
-        if weight_format == "int4" and act == torch.float32 and cpu_ops.available():
+        if weight_format == "int4-q8" or weight_format == "int4" and act == torch.float32 and cpu_ops.available():
             kernels = ["cpu_ops"]  # torch's fp32-activation int4 kernel is many times slower
         elif weight_format in ("int8", "int4"):
             kernels = [weight_format]

@@ -150,7 +150,8 @@ class LlamaForCausalLM(nn.Module):
         return cpu_ops.llama_decode(self._decode_layers[1], hidden, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                     arch.intermediate_size, arch.rms_norm_eps, self.layers[0].self_attn.scale, *rope,
                                     meta.slot_mapping, kv_caches[0][0].shape[1], meta.decode_block_tables,
-                                    meta.decode_context_lens, kv_caches[0][0].dtype == torch.float16)
+                                    meta.decode_context_lens, kv_caches[0][0].dtype == torch.float16,
+                                    self.layers[0].mlp.down_proj.int8_activations)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
     "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p,
                                 _i64],
@@ -48,7 +50,7 @@ SIGNATURES = {
     "silu_and_mul": [_p, _i64, _i64, _p],
     "sample_rows": [_p, _p, _i64, _i64, _p, _p, _p, _p],
     "llama_decode": [_p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _p, _p, _p, _i64, _p, _i64, _p, _i64,
-                     _p, _p, _i64],
+                     _p, _p, _i64, _i64],
 }
 
 
@@ -164,6 +166,18 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q8_exact's weights [out, in].T → [tokens, out]."""
     return _block_matmul(_library.q8_matmul, x, packed)
+
+
+def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """As q4_matmul with each token's x quantized per block of 32 to int8 codes first (llama.cpp's Q8_1: codes
+    round(x / dx) with dx the block's absmax / 127, and sx = dx · Σ codes): Σ_b dw·dx·(the block's code products,
+    summed exactly) + mw·sx."""
+    return _block_matmul(_library.q4_q8_matmul, x, packed)
+
+
+def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """As q8_matmul with x quantized as in q4_q8_matmul."""
+    return _block_matmul(_library.q8_q8_matmul, x, packed)
 
 
 def sample_tokens(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,
@@ -284,10 +298,11 @@ def decoder_layers(layers: list[dict[str, torch.Tensor]]) -> ctypes.Array:
 def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                  intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, block_size: int, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, half_cache: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 context_lens: torch.Tensor, half_cache: bool,
+                 int8_activations: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a dense decoder over one-token queries: the embeddings [tokens, hidden] → (the last MLP's
     output, the residual stream before it), as the layers op by op would give them. half_cache: the layers' KV
-    caches are float16 (else float32)."""
+    caches are float16 (else float32); int8_activations: the projections are q4_q8_matmul's (else q4_matmul's)."""
     hidden = hidden.contiguous().clone()  # written in place
     residual = torch.empty_like(hidden)
     tables = _table(block_tables)
@@ -295,5 +310,6 @@ def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_head
     _library.llama_decode(ctypes.addressof(layers), len(layers), hidden.shape[0], hidden.shape[1], heads, kv_heads,
                           head_dim, intermediate, eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                           block_size, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                          tables.shape[1] * block_size, hidden.data_ptr(), residual.data_ptr(), int(half_cache))
+                          tables.shape[1] * block_size, hidden.data_ptr(), residual.data_ptr(), int(half_cache),
+                          int(int8_activations))
     return hidden, residual
