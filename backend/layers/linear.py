@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 INT4_GROUP = 32  # Q4_1's block size, and the int4 kernel's group
 Q4_FORMATS = ("int4", "int4-q8")  # the formats that serve a checkpoint's own Q4_1 blocks
+FBGEMM_ROW_GROUP = 4  # float16: every row through the same fbgemm kernel (with 1-2 rows AVX2 sums differently)
 
 
 def cpu_has_bf16() -> bool:
@@ -116,7 +117,9 @@ class OneDNNProjection(Projection):
 
 
 class Float16Projection(Projection):
-    """fp16 weights prepacked for fbgemm, fp32 activations and accumulation."""
+    """fp16 weights prepacked for fbgemm, fp32 activations and accumulation. The rows go in whole groups of
+    FBGEMM_ROW_GROUP (zeros after the last): fbgemm's AVX2 kernels for a block of one or two rows sum in another order
+    than the others, so a token's row would change with the batch's size."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(bias)
@@ -124,7 +127,10 @@ class Float16Projection(Projection):
         self.linear = torch.ops.quantized.linear_dynamic_fp16.default
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed)
+        rows = x.shape[0]
+        if padding := -rows % FBGEMM_ROW_GROUP:
+            x = torch.cat([x, x.new_zeros(padding, x.shape[1])])
+        return self.linear(x, self.packed)[:rows]
 
 
 class Int8Projection(Projection):
@@ -226,7 +232,12 @@ class Choice:
         if self.q4 and self.dtype == torch.float32 and _fbgemm_available():
             return Choice("float16", self.dtype, "fbgemm").make(weight, None)
         if self.q4:
-            return Choice("bfloat16", self.dtype, "onednn" if _onednn_available() else "aten").make(weight, None)
+            if _onednn_available():
+                try:
+                    return Choice("bfloat16", self.dtype, "onednn").make(weight, None)
+                except RuntimeError:  # oneDNN's bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+                    log.info("oneDNN has no bf16 kernel for this CPU: the LM head runs through aten")
+            return Choice("bfloat16", self.dtype, "aten").make(weight, None)
         return self.make(weight, None)
 
     def describe(self) -> str:
