@@ -172,7 +172,6 @@ class Q4Projection(Projection):
     def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, int8_activations: bool):
         super().__init__(bias)
         self.packed = cpu_ops.pack_q4(weight.q, weight.d, weight.m)
-        self.int8_activations = int8_activations
         self.op = cpu_ops.q4_q8_matmul if int8_activations else cpu_ops.q4_matmul
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

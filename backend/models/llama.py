@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
                                     arch.intermediate_size, arch.rms_norm_eps, self.layers[0].self_attn.scale, *rope,
                                     meta.slot_mapping, kv_caches[0][0].shape[1], meta.decode_block_tables,
                                     meta.decode_context_lens, kv_caches[0][0].dtype == torch.float16,
-                                    self.layers[0].mlp.down_proj.int8_activations)
+                                    self.int8_activations)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -192,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
                 setattr(owner, name, choice.make(linear.weight, linear.bias, blocks))
         self.lm_head = choice.make_head(self.head_weight())
         arch = self.arch
+        self.int8_activations = choice.int8_activations  # what llama_decode's projections run with
         self.decodes_in_one_call = (choice.kernel == "cpu_ops" and not arch.qk_norm and not arch.attention_bias
                                     and not arch.mlp_bias and not arch.moe_layers)
 

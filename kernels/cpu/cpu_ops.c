@@ -16,11 +16,9 @@
 #define VLEN 16
 #define ROW_TILE 6   /* 6 rows x 4 tokens of accumulators + 6 weight vectors: 31 of AVX-512's 32 registers */
 #define TOKEN_TILE 4 /* (6 x 4 measured 15% faster than 4 x 4, 4 x 6 and 8 x 2 at 32 tokens) */
-#define ONE_TOKEN_ROWS 6
 #else
 #define VLEN 8
 #define ROW_TILE 3
-#define ONE_TOKEN_ROWS 6
 #define TOKEN_TILE 4 /* AVX2's 16 registers: 3 x 4 accumulators + 3 weight vectors + 1 of activations (at 32 tokens
                       * 0.70-0.74x the time of 4 x 2; 3 x 3, 4 x 3 0.79-0.85x; 5 x 2, 6 x 2 0.92-0.98x) */
 #endif
@@ -271,17 +269,16 @@ MICROKERNEL(1, 1)
 
 /* NAME(x, T, K, weights, N, y): weights [N][K / 32] blocks of BLOCK_BYTES; K a multiple of 32 (and so of VLEN). */
 #define BLOCK_MATMUL(NAME, DEQUANTIZE, BLOCK_BYTES)                                                              \
-    ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, ONE_TOKEN_ROWS)                                              \
+    ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, ROW_TILE)                                                    \
     ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, 1)                                                           \
     void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {            \
         const int64_t blocks = K / QUANT_BLOCK, row_bytes = blocks * (BLOCK_BYTES);                             \
         const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;                                                    \
         if (T == 1) {                                                                                           \
-            const int64_t row_groups = (N + ONE_TOKEN_ROWS - 1) / ONE_TOKEN_ROWS;                               \
-            _Pragma("omp parallel for schedule(static)") for (int64_t group = 0; group < row_groups; group++) { \
-                const int64_t n0 = group * ONE_TOKEN_ROWS;                                                      \
-                if (N - n0 >= ONE_TOKEN_ROWS) {                                                                 \
-                    ONE_TOKEN(NAME, ONE_TOKEN_ROWS)(weights + n0 * row_bytes, row_bytes, blocks, x, y + n0);    \
+            _Pragma("omp parallel for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {         \
+                const int64_t n0 = tile * ROW_TILE;                                                             \
+                if (N - n0 >= ROW_TILE) {                                                                       \
+                    ONE_TOKEN(NAME, ROW_TILE)(weights + n0 * row_bytes, row_bytes, blocks, x, y + n0);          \
                 } else {                                                                                        \
                     for (int64_t n = n0; n < N; n++)                                                            \
                         ONE_TOKEN(NAME, 1)(weights + n * row_bytes, row_bytes, blocks, x, y + n);               \
