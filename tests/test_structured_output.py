@@ -40,6 +40,24 @@ def test_regex_output_fullmatches_and_stops_when_complete(engine):
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("name, text, quote", [
+    ("regex", r"\d\d\w", ""),
+    ("json_schema", json.dumps({"type": "string", "pattern": r"^\d\d\w$"}), '"'),
+    ("structural_tag", json.dumps({"type": "structural_tag", "format": {"type": "regex", "pattern": r"\d\d\w"}}), "")])
+def test_digit_and_word_classes_are_ascii_in_every_constraint(engine, name, text, quote):
+    """\\d and \\w are [0-9] and [0-9a-zA-Z_] (ECMAScript's, JSON Schema's, xgrammar's) in a regex as in a schema's
+    pattern: Unicode's digits and letters are refused (llguidance's own regex took them)."""
+    initial = engine.parts.grammars.compile(name, text).result(timeout=60)
+
+    def accepts(value: str) -> bool:
+        matcher = initial.deep_copy()
+        tokens = engine.tokenizer.encode(quote + value + quote, add_special_tokens=False)
+        return matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+    assert accepts("42a") and accepts("07_")
+    assert not accepts("\u0664\u0662a") and not accepts("42\u00e9") and not accepts("\U0001fbf4\U0001fbf2a")
+
+
 def test_eos_only_where_the_grammar_accepts(engine):
     """A +100 bias on EOS cannot end the text before the grammar accepts; at the first token where it does, EOS
     ends it."""

@@ -19,13 +19,13 @@ import llguidance.hf
 from llguidance import LLMatcher
 
 from backend.interface.errors import InvalidRequest
-from backend.processing.structural_tag_format import structural_tag_format_grammar
+from backend.processing.structural_tag_format import regex_lark, structural_tag_format_grammar
 
 log = logging.getLogger(__name__)
 
-# llguidance's grammar formats for the text constraints (json_schema compiles with options of its own).
-# "grammar" takes Lark or GBNF syntax; "tools" is the Lark grammar of a request's tool calls (tool_calls.py).
-_FORMATS = {"regex": "regex", "ebnf": "grammar", "tools": "grammar"}
+# llguidance's grammar formats for the other text constraints (json_schema and regex compile with options of
+# their own). "grammar" takes Lark or GBNF syntax; "tools" is the Lark grammar of a request's tool calls (tool_calls.py).
+_FORMATS = {"ebnf": "grammar", "tools": "grammar"}
 # Compact JSON (", " and ": " separators, no free whitespace): a small model given free whitespace may spend its
 # token budget on blank lines.
 _JSON_OPTIONS = {"whitespace_flexible": False}
@@ -118,6 +118,8 @@ class GrammarCompiler:
                 grammar = LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
             elif name == "structural_tag":
                 grammar = LLMatcher.grammar_from_lark(structural_tag_lark(text))
+            elif name == "regex":
+                grammar = llguidance.grammar_from("regex", regex_lark(text))
             else:
                 grammar = llguidance.grammar_from(_FORMATS[name], text)
         except ValueError as error:

@@ -22,6 +22,11 @@ from llguidance.gbnf_to_lark import any_to_lark
 from backend.interface.errors import InvalidRequest
 
 _ANY = r"/(.|\n)*/"
+# A regex constraint's \d and \w are ASCII's ([0-9], [0-9a-zA-Z_]), as in ECMAScript, JSON Schema's patterns (which
+# llguidance already reads so) and xgrammar, SGLang's and vLLM's default; llguidance's own regex reads them as
+# Unicode's, and a sampled `\d{3}` once came out as three four-byte digits of U+1FBF0's block. \s stays Unicode's,
+# as in ECMAScript.
+_ASCII_CLASSES = "dw"
 _FIELDS = {  # each format type's fields: required, optional
     "const_string": ({"value"}, set()),
     "json_schema": ({"json_schema"}, {"style"}),
@@ -88,7 +93,7 @@ class _LarkBuilder:
         if kind == "regex":
             pattern = _string(fmt, "pattern", path)
             _valid(LLMatcher.grammar_from_regex(pattern), f"{path}.pattern", "regex")
-            return f"/{llguidance.regex_to_lark(pattern)}/"
+            return f"/{regex_lark(pattern)}/"
         if kind == "grammar":
             return self._grammar(_string(fmt, "grammar", path), f"{path}.grammar")
         if kind == "any_text":
@@ -244,6 +249,11 @@ def _valid(grammar: str, path: str, what: str) -> None:
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise _fail(path, f"is not a valid {what}: {error}")
+
+
+def regex_lark(pattern: str) -> str:
+    """A regex constraint's pattern in llguidance's Lark regex syntax, its classes as `_ASCII_CLASSES` says."""
+    return llguidance.regex_to_lark(pattern, _ASCII_CLASSES)
 
 
 def _regex_escape(text: str) -> str:
