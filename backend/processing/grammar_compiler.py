@@ -24,7 +24,8 @@ from backend.processing.structural_tag_format import regex_lark, structural_tag_
 log = logging.getLogger(__name__)
 
 # llguidance's grammar formats for the other text constraints (json_schema and regex compile with options of
-# their own). "grammar" takes Lark or GBNF syntax; "tools" is the Lark grammar of a request's tool calls (tool_calls.py).
+# their own). "grammar" takes Lark or GBNF syntax; "tools" is the Lark grammar of a request's tool calls
+# (tool_calls.py).
 _FORMATS = {"ebnf": "grammar", "tools": "grammar"}
 # Compact JSON (", " and ": " separators, no free whitespace): a small model given free whitespace may spend its
 # token budget on blank lines.
