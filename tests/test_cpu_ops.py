@@ -117,11 +117,11 @@ def _q8_activation_reference(x: torch.Tensor, codes_w: torch.Tensor, d: torch.Te
 def test_q4_q8_matmul_is_llama_cpps_q4_1_by_q8_1_dot(rows, width, tokens):
     q = torch.randint(0, 16, (rows, width), dtype=torch.uint8)
     d, m = (torch.rand(rows, width // 32) * 0.02).half(), (-torch.rand(rows, width // 32) * 0.1).half()
-    packed = cpu.pack_q4(q, d, m)
+    packed = cpu.pack_q4_rows(q, d, m)
     x = torch.randn(tokens, width)
     if width > 32:
         x[-1, -32:] = 0  # an all-zero block: dx = 0, codes 0
-    ours = cpu.q4_q8_matmul(x, packed)
+    ours = cpu.q4_q8_matmul(x, packed, rows)
     expected = _q8_activation_reference(x, q, d.float(), m.float())
     torch.testing.assert_close(ours.double(), expected, atol=1e-4, rtol=1e-4)
     # the activations are quantized: not the fp32-activation op's result
@@ -138,20 +138,24 @@ def test_q8_q8_matmul_is_llama_cpps_q8_0_by_q8_1_dot(rows, width, tokens):
     d = packed[..., :2].contiguous().view(torch.float16)[..., 0].float()
     codes_w = torch.where(d[..., None] == 0, 0.0, blocks / d[..., None]).reshape(rows, width)
     x = torch.randn(tokens, width)
-    ours = cpu.q8_q8_matmul(x, packed)
+    ours = cpu.q8_q8_matmul(x, cpu.pack_q8_rows(packed), rows)
     torch.testing.assert_close(ours.double(), _q8_activation_reference(x, codes_w, d, None), atol=1e-4, rtol=1e-4)
     assert (ours - x @ dense.T).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("op", ["q4_q8_matmul", "q8_q8_matmul"])
 def test_int8_activation_rows_do_not_depend_on_the_batch(op):
-    packed = _q4(131, 576)[0] if op == "q4_q8_matmul" else cpu.pack_q8_exact(_q8(131, 576))
+    if op == "q4_q8_matmul":  # 131 rows: a last group of 3 real rows and 13 padding ones
+        q = torch.randint(0, 16, (131, 576), dtype=torch.uint8)
+        packed = cpu.pack_q4_rows(q, torch.rand(131, 18).half(), torch.rand(131, 18).half())
+    else:
+        packed = cpu.pack_q8_rows(cpu.pack_q8_exact(_q8(131, 576)))
     x = torch.randn(37, 576)
     x[5] *= 50  # a loud token changes nothing for the others: each token's blocks have their own scales
-    together = getattr(cpu, op)(x, packed)
+    together = getattr(cpu, op)(x, packed, 131)
     for size in (1, 2, 3, 4, 5, 9):
         for start in range(0, len(x) - size + 1, 7):
-            assert torch.equal(getattr(cpu, op)(x[start:start + size], packed), together[start:start + size])
+            assert torch.equal(getattr(cpu, op)(x[start:start + size], packed, 131), together[start:start + size])
 
 
 def test_only_weights_that_are_q8_0_blocks_to_the_bit_are_packed_as_q8_0():
@@ -375,12 +379,25 @@ def test_sample_tokens_follow_the_distribution_and_rows_do_not_depend_on_the_bat
         assert alone[0].item() == together[0][row].item() and torch.equal(alone[1], together[1][row:row + 1])
 
 
+def _rerun_for(march: str, selection: str = "") -> None:
+    """This module's tests (those `selection` selects, with pytest's -k), again, on the library built for `march`."""
+    selected = f"({selection}) and not _build_passes" if selection else "not _build_passes"
+    rerun = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", selected],
+                           env={**os.environ, "TRITONLLM_CPU_MARCH": march},
+                           capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-2000:]
+    assert list(cpu_ops_dir().glob(f"cpu_ops-{march}-*.so"))
+
+
 @pytest.mark.skipif(" avx512f" not in cpu._cpu_flags(), reason="without AVX-512 the native build is the AVX2 one")
 def test_the_avx2_build_passes_these_tests_too():
     """The AVX2 code paths (8-lane vectors) are another body of code than the AVX-512 ones: build the library for
     x86-64-v3 and run this module again on it."""
-    rerun = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                            "not avx2_build"], env={**os.environ, "TRITONLLM_CPU_MARCH": "x86-64-v3"},
-                           capture_output=True, text=True, cwd=Path(__file__).parent.parent)
-    assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-2000:]
-    assert list(cpu_ops_dir().glob("cpu_ops-x86-64-v3-*.so"))
+    _rerun_for("x86-64-v3")
+
+
+@pytest.mark.skipif(" avx512_vnni" not in cpu._cpu_flags(), reason="without VNNI the native build is this one")
+def test_the_avx512_build_passes_the_int8_activation_tests_without_vnni():
+    """With AVX512-VNNI the int8-activation ops sum code products with vpdpbusd; AVX-512 CPUs without it (Skylake-X,
+    Cascade Lake has it) take the vpmaddubsw code: build for x86-64-v4 (AVX-512 F, BW, DQ, VL) and run those."""
+    _rerun_for("x86-64-v4", "q8")

@@ -14,7 +14,7 @@ checkpoint:
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
 | int4 | the checkpoint's own Q4_1 blocks (scale d, zero m per 32 weights): the CPU ops' kernel with fp32 activations, torch's with bf16 | fp32 (auto), or bf16 | fp32: exactly the shipped 4-bit weights; bf16: activations and d, m rounded to bf16 | with fp32 activations |
-| int4-q8 | the same Q4_1 blocks, through the CPU ops | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
+| int4-q8 | the same Q4_1 blocks, repacked in groups of 16 rows for the CPU ops' integer kernel | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
@@ -167,28 +167,35 @@ class Int4Projection(Projection):
 class Q4Projection(Projection):
     """Q4_1 weights as the checkpoint's blocks (5 bits a weight with their scales): the CPU ops' kernel
     dequantizes w = d · q + m per block in registers and multiplies in fp32, or, with int8 activations, sums each
-    block's products of codes in integers (q4_q8_matmul)."""
+    block's products of codes in integers over the blocks repacked in groups of rows (q4_q8_matmul)."""
 
     def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, int8_activations: bool):
         super().__init__(bias)
-        self.packed = cpu_ops.pack_q4(weight.q, weight.d, weight.m)
-        self.op = cpu_ops.q4_q8_matmul if int8_activations else cpu_ops.q4_matmul
+        self.rows = weight.q.shape[0]
+        self.int8_activations = int8_activations
+        self.packed = (cpu_ops.pack_q4_rows if int8_activations else cpu_ops.pack_q4)(weight.q, weight.d, weight.m)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.packed)
+        if self.int8_activations:
+            return cpu_ops.q4_q8_matmul(x, self.packed, self.rows)
+        return cpu_ops.q4_matmul(x, self.packed)
 
 
 class Q8Projection(Projection):
     """Q8_0 weights as blocks (8.5 bits a weight with their scales): the CPU ops' kernel dequantizes w = d · q per
-    block in registers and multiplies in fp32, or sums codes in integers with int8 activations."""
+    block in registers and multiplies in fp32, or sums codes in integers with int8 activations (over the blocks
+    repacked in groups of rows)."""
 
-    def __init__(self, packed: torch.Tensor, int8_activations: bool):
+    def __init__(self, blocks: torch.Tensor, int8_activations: bool):
         super().__init__(None)
-        self.packed = packed
-        self.op = cpu_ops.q8_q8_matmul if int8_activations else cpu_ops.q8_matmul
+        self.rows = blocks.shape[0]
+        self.int8_activations = int8_activations
+        self.packed = cpu_ops.pack_q8_rows(blocks) if int8_activations else blocks
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.packed)
+        if self.int8_activations:
+            return cpu_ops.q8_q8_matmul(x, self.packed, self.rows)
+        return cpu_ops.q8_matmul(x, self.packed)
 
 
 @dataclass(frozen=True)

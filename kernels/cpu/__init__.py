@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kernels.decode_attention import paged_decode_attention_reference
 from kernels.kv_cache import store_kv_cache_reference
@@ -151,6 +152,41 @@ def pack_q8_exact(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([d.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
 
 
+GROUP_ROWS = 16  # as in cpu_ops.c: the int8-activation ops' weights in groups of 16 rows
+
+
+def _row_groups(codes: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
+    """Each row's code bytes [out, blocks · chunks · 4] (per block, chunk c holds the row's 4 bytes for inputs 4c ..
+    4c + 3) and per-block scales [out, blocks] → [groups of 16 rows, blocks, chunks · 64 + 32 per scale] uint8:
+    per group and block, each chunk as the group's 16 rows' 4 bytes side by side, then each scale's 16 fp16 values
+    (cpu_ops.c's int8-activation layout)."""
+    rows, width = codes.shape[0], scales[0].shape[1] * QUANT_BLOCK
+    padding = -rows % GROUP_ROWS  # zero rows: their outputs are computed, never stored
+    groups, blocks = (rows + padding) // GROUP_ROWS, width // QUANT_BLOCK
+    codes = F.pad(codes, (0, 0, 0, padding)).view(groups, GROUP_ROWS, blocks, -1, 4).permute(0, 2, 3, 1, 4)
+    scales = [F.pad(t.to(torch.float16), (0, 0, 0, padding)).view(groups, GROUP_ROWS, blocks).transpose(1, 2)
+              .contiguous().view(torch.uint8) for t in scales]
+    return torch.cat([codes.reshape(groups, blocks, -1), *scales], dim=-1).contiguous()
+
+
+def pack_q4_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 codes q [out, in] (0..15) and scales d, zeros m [out, in / 32] → q4_q8_matmul's row groups: per block,
+    4 chunks whose low nibbles hold inputs 4c .. 4c + 3 and high nibbles 16 + 4c .. 16 + 4c + 3, then d, m."""
+    rows, width = q.shape
+    codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
+    nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)
+    return _row_groups(nibbles.reshape(rows, -1), [d, m])
+
+
+def pack_q8_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """pack_q8_exact's Q8_0 blocks → q8_q8_matmul's row groups: per block, 8 chunks of codes + 128 (unsigned
+    bytes, for vpdpbusd), then d."""
+    rows, count = blocks.shape[:2]
+    d = blocks[..., :2].contiguous().view(torch.float16).view(rows, count)
+    codes = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return _row_groups(codes.reshape(rows, -1), [d])
+
+
 def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
@@ -168,16 +204,23 @@ def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return _block_matmul(_library.q8_matmul, x, packed)
 
 
-def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """As q4_matmul with each token's x quantized per block of 32 to int8 codes first (llama.cpp's Q8_1: codes
-    round(x / dx) with dx the block's absmax / 127, and sx = dx · Σ codes): Σ_b dw·dx·(the block's code products,
-    summed exactly) + mw·sx."""
-    return _block_matmul(_library.q4_q8_matmul, x, packed)
+def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [tokens, in] float32 @ the weights [rows, in].T that pack_q4_rows packed, with each token's x quantized per
+    block of 32 to int8 codes first (llama.cpp's Q8_1: codes round(x / dx) with dx the block's absmax / 127, and
+    sx = dx · Σ codes): Σ_b dw·dx·(the block's code products, summed exactly) + mw·sx."""
+    return _rows_matmul(_library.q4_q8_matmul, x, packed, rows)
 
 
-def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """As q8_matmul with x quantized as in q4_q8_matmul."""
-    return _block_matmul(_library.q8_q8_matmul, x, packed)
+def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """As q4_q8_matmul over pack_q8_rows's weights (Σ_b dw·dx·Σ code products)."""
+    return _rows_matmul(_library.q8_q8_matmul, x, packed, rows)
+
+
+def _rows_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr())
+    return out
 
 
 def sample_tokens(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,

@@ -329,20 +329,30 @@ BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
 
 /* ---- the same projections with int8 activations, llama.cpp's way (its Q8_1 activations): each token's inputs
  * are quantized per block of 32 to codes qx = round(x / dx), |qx| <= 127, with the block's own scale dx = absmax /
- * 127 and sx = dx · Σ qx. A block's products of codes are summed exactly in integers (u8 x s8 pairs to int16, pairs
- * of those to int32: 8 lanes of 4 products), then scaled by dw · dx into an fp32 accumulator; Q4_1's zeros add
- * Σ_b mw · sx. Per block, row and token that is 4 instructions where dequantizing to fp32 and multiplying takes
- * 18 (AVX2, one token): 1.5-1.7x faster for one token on Zen 1. Batched, every (row, token) pair pays them, where the
- * fp32 tile shares a row's dequantization among its tokens: 0.55-0.7x there at 32 tokens. Every tile shape and every
- * T computes each (row, token) pair the same way: batch-invariant to the bit. 256-bit code on any x86-64-v3 CPU. */
+ * 127 and sx = dx · Σ qx. A block's products of weight and input codes are summed exactly in integers, then
+ * y += (dw · dx) · Σ + mw · sx per block, in block order, in fp32 (Q8_0 has no mw).
+ *
+ * The weights are repacked at load into groups of 16 rows (pack_q4_rows / pack_q8_rows): per group and block, its
+ * codes as chunks of 64 bytes (chunk c, byte 4r + i: row r's code for input 4c + i; Q4_1's chunks hold inputs
+ * 16 + 4c + i in their high nibbles), then the 16 rows' fp16 dw (and mw). One vector then holds 4 inputs of every
+ * row of a group (16 rows with AVX-512, 8 with AVX2), so one broadcast of 4 input codes meets them all: a block is
+ * 8 multiply-adds of 4 code pairs per lane (vpdpbusd with AVX512-VNNI; pairs to int16, then to int32, without),
+ * no horizontal sums, and one scale vector for all the group's rows. Every tile shape and every T computes each
+ * (row, token) pair the same way: batch-invariant to the bit. */
 
-typedef struct { /* a step's activations, quantized: [T][K] codes, [T][K / 32] scales dx and sums sx */
+#define GROUP_ROWS 16
+#define GROUP_CHUNK 64                          /* bytes: 4 codes of each of a group's rows */
+#define Q4_GROUP_BYTES (4 * GROUP_CHUNK + 64)   /* per block: 32 nibbles a row in 4 chunks, 16 dw, 16 mw */
+#define Q8_GROUP_BYTES (8 * GROUP_CHUNK + 32)   /* per block: 32 codes + 128 a row (as u8) in 8 chunks, 16 dw */
+
+typedef struct { /* a step's activations, quantized: [T][K] codes, and per [T][K / 32] block dx, sx, Σ qx */
     int8_t *q;
     float *d, *s;
+    int32_t *sum;
 } Q8Activations;
 
 /* One token's K inputs (K a multiple of 32) as codes, scales and sums. */
-static void quantize_q8(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+static void quantize_q8(const float *x, int64_t K, int8_t *q, float *d, float *s, int32_t *sum) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < K / QUANT_BLOCK; b++) {
         __m256 v[4], top = _mm256_setzero_ps();
@@ -368,16 +378,18 @@ static void quantize_q8(const float *x, int64_t K, int8_t *q, float *d, float *s
         t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
         t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
         d[b] = scale;
-        s[b] = scale * (float)_mm_cvtsi128_si32(t4);
+        sum[b] = _mm_cvtsi128_si32(t4);
+        s[b] = scale * (float)sum[b];
     }
 }
 
 static Q8Activations quantize_rows(const float *x, int64_t T, int64_t K) {
     const int64_t blocks = K / QUANT_BLOCK;
     const Q8Activations a = {aligned_alloc(64, (size_t)((T * K + 63) / 64 * 64)), malloc((size_t)(T * blocks * 4)),
-                             malloc((size_t)(T * blocks * 4))};
+                             malloc((size_t)(T * blocks * 4)), malloc((size_t)(T * blocks * 4))};
 #pragma omp parallel for schedule(static) if (T > 1)
-    for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * blocks, a.s + t * blocks);
+    for (int64_t t = 0; t < T; t++)
+        quantize_q8(x + t * K, K, a.q + t * K, a.d + t * blocks, a.s + t * blocks, a.sum + t * blocks);
     return a;
 }
 
@@ -385,120 +397,165 @@ static void free_activations(Q8Activations a) {
     free(a.q);
     free(a.d);
     free(a.s);
+    free(a.sum);
 }
 
-/* A block's 32 products of unsigned codes w and signed codes x, summed exactly: 8 int32 lanes of 4, as floats. */
-static inline __m256 code_dot(__m256i w, __m256i x) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+/* A vector of a group's rows: lanes of 4 codes (rows_t), of int32 sums or of floats (sums_t), one lane a row;
+ * RV(op) and RV_SI(op) name an intrinsic of that width. */
+#if defined(__AVX512BW__)
+#define VECTOR_ROWS 16
+#define RV(op) _mm512_##op
+#define RV_SI(op) _mm512_##op##_si512
+typedef __m512i rows_t;
+typedef __m512 sums_t;
+typedef __m256i half_scales_t; /* VECTOR_ROWS fp16 */
+#define ONE_TOKEN_VECTORS 2 /* 32 rows a one-token tile: 18 tiles of a 576-row projection for 2 threads */
+#else
+#define VECTOR_ROWS 8
+#define RV(op) _mm256_##op
+#define RV_SI(op) _mm256_##op##_si256
+typedef __m256i rows_t;
+typedef __m256 sums_t;
+typedef __m128i half_scales_t;
+#define ONE_TOKEN_VECTORS 4
+#endif
+static inline rows_t load_rows(const uint8_t *p) { return RV_SI(loadu)((const rows_t *)p); }
+static inline rows_t four_codes(const int8_t *x) { int32_t v; memcpy(&v, x, 4); return RV(set1_epi32)(v); }
+static inline rows_t low_nibbles(rows_t v) { return RV_SI(and)(v, RV(set1_epi8)(15)); }
+static inline rows_t high_nibbles(rows_t v) { return low_nibbles(RV(srli_epi16)(v, 4)); }
+static inline sums_t row_scales(const uint8_t *p) {
+    half_scales_t half;
+    memcpy(&half, p, sizeof half);
+    return RV(cvtph_ps)(half);
+}
+#define GROUP_VECTORS (GROUP_ROWS / VECTOR_ROWS)
+
+/* A block's 8 vectors of codes for one vector of rows (`codes`: the group's block, advanced to that vector). */
+static inline void q4_1_rows(const uint8_t *codes, rows_t w[8]) {
+    for (int c = 0; c < 4; c++) {
+        const rows_t both = load_rows(codes + c * GROUP_CHUNK);
+        w[c] = low_nibbles(both);
+        w[4 + c] = high_nibbles(both); /* inputs 16 + 4c .. 16 + 4c + 3 */
+    }
+}
+static inline void q8_0_rows(const uint8_t *codes, rows_t w[8]) {
+    for (int c = 0; c < 8; c++) w[c] = load_rows(codes + c * GROUP_CHUNK);
 }
 
-/* Q4_1: the block's codes (element j in byte j) */
-static inline __m256i q4_1_codes(const uint8_t *block) {
-    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 4)), low = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+/* Per row, the block's 32 products of its weight codes w (0..15, or a Q8_0 code + 128) and one token's input
+ * codes x, summed exactly. */
+static inline rows_t block_sum(const rows_t w[8], const int8_t *x, int32_t x_sum, int q8_0) {
+#if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
+    rows_t even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains: dpbusd's latency */
+    for (int j = 0; j < 8; j += 2) {
+        even = _mm512_dpbusd_epi32(even, w[j], four_codes(x + 4 * j));
+        odd = _mm512_dpbusd_epi32(odd, w[j + 1], four_codes(x + 4 * j + 4));
+    }
+    const rows_t sum = _mm512_add_epi32(even, odd);
+    return q8_0 ? _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x_sum)) : sum; /* Σ (w + 128) x − 128 Σ x */
+#else
+    (void)x_sum;
+    const rows_t ones = RV(set1_epi16)(1);
+    if (!q8_0) { /* u4 x s8 pairs are at most 3810: 8 of them still fit int16 */
+        rows_t pairs = RV(maddubs_epi16)(w[0], four_codes(x));
+        for (int j = 1; j < 8; j++) pairs = RV(add_epi16)(pairs, RV(maddubs_epi16)(w[j], four_codes(x + 4 * j)));
+        return RV(madd_epi16)(pairs, ones);
+    }
+    /* Q8_0: signed weights again; their magnitudes against x with their signs (maddubs takes u8 x s8) */
+    rows_t sum = RV_SI(setzero)();
+    for (int j = 0; j < 8; j++) {
+        const rows_t signed_w = RV_SI(xor)(w[j], RV(set1_epi8)(-128)), x4 = four_codes(x + 4 * j);
+#if VECTOR_ROWS == 16
+        const rows_t signed_x = _mm512_mask_sub_epi8(x4, _mm512_movepi8_mask(signed_w), _mm512_setzero_si512(), x4);
+#else
+        const rows_t signed_x = _mm256_sign_epi8(x4, signed_w);
+#endif
+        sum = RV(add_epi32)(sum, RV(madd_epi16)(RV(maddubs_epi16)(RV(abs_epi8)(signed_w), signed_x), ones));
+    }
+    return sum;
+#endif
 }
-static inline __m256 q4_1_dot(__m256i w, __m256i x) { return code_dot(w, x); }
 
-/* Q8_0: signed codes; their magnitudes against x with w's signs (llama.cpp's trick: maddubs takes u8 x s8) */
-static inline __m256i q8_0_codes(const uint8_t *block) { return _mm256_loadu_si256((const __m256i *)(block + 2)); }
-static inline __m256 q8_0_dot(__m256i w, __m256i x) {
-    return code_dot(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-}
-
-/* ROWS rows x TOKENS tokens (from row `rows`, token t0): y = Σ_b (dw dx) · code_dot, lanes summed, + Σ_b mw sx. */
-#define Q8_TILE_(NAME, ROWS, TOKENS) NAME##_tile_##ROWS##x##TOKENS
-#define Q8_TILE(NAME, ROWS, TOKENS) Q8_TILE_(NAME, ROWS, TOKENS)
-#define Q8_MICROKERNEL(NAME, FORMAT, BLOCK_BYTES, HAS_MIN, ROWS, TOKENS)                                         \
-    static inline void Q8_TILE(NAME, ROWS, TOKENS)(const uint8_t *rows, int64_t row_bytes, int64_t blocks,     \
-                                                   Q8Activations x, int64_t t0, float *y, int64_t N) {         \
-        __m256 acc[ROWS][TOKENS];                                                                               \
-        for (int r = 0; r < ROWS; r++)                                                                          \
-            for (int t = 0; t < TOKENS; t++) acc[r][t] = _mm256_setzero_ps();                                   \
+/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row] = Σ_b dw dx Σ + mw sx. */
+#define ROWS_TILE_(NAME, VECTORS, TOKENS) NAME##_rows_##VECTORS##x##TOKENS
+#define ROWS_TILE(NAME, VECTORS, TOKENS) ROWS_TILE_(NAME, VECTORS, TOKENS)
+#define ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, VECTORS, TOKENS)                                   \
+    static inline void ROWS_TILE(NAME, VECTORS, TOKENS)(const uint8_t *weights, int64_t blocks, Q8Activations x, \
+                                                        int64_t K, int64_t v0, int64_t t0, float *y, int64_t N) { \
+        sums_t acc[VECTORS][TOKENS];                                                                            \
+        for (int v = 0; v < VECTORS; v++)                                                                       \
+            for (int t = 0; t < TOKENS; t++) acc[v][t] = RV(setzero_ps)();                                      \
         for (int64_t b = 0; b < blocks; b++) {                                                                  \
-            __m256i w[ROWS];                                                                                    \
-            float scale[ROWS][TOKENS]; /* dw dx of each pair: broadcast from memory when used */               \
-            for (int r = 0; r < ROWS; r++) {                                                                    \
-                const uint8_t *block = rows + r * row_bytes + b * (BLOCK_BYTES);                                \
+            for (int v = 0; v < VECTORS; v++) {                                                                 \
+                const int64_t vector = v0 + v, half = vector % GROUP_VECTORS;                                   \
+                const uint8_t *block = weights + ((vector / GROUP_VECTORS) * blocks + b) * (GROUP_BYTES);       \
                 __builtin_prefetch(block + PREFETCH_AHEAD, 0, 3);                                               \
-                w[r] = FORMAT##_codes(block);                                                                   \
-                float d, unused;                                                                                \
-                block_scales(block, &d, &unused);                                                               \
-                for (int t = 0; t < TOKENS; t++) scale[r][t] = d * x.d[(t0 + t) * blocks + b];                  \
-            }                                                                                                   \
-            for (int t = 0; t < TOKENS; t++) {                                                                  \
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + ((t0 + t) * blocks + b) * QUANT_BLOCK)); \
-                for (int r = 0; r < ROWS; r++)                                                                  \
-                    acc[r][t] = _mm256_fmadd_ps(FORMAT##_dot(w[r], xq), _mm256_broadcast_ss(&scale[r][t]), acc[r][t]); \
+                rows_t w[8];                                                                                    \
+                FORMAT##_rows(block + half * VECTOR_ROWS * 4, w);                                               \
+                const uint8_t *scales = block + (GROUP_BYTES) - (HAS_MIN ? 64 : 32) + half * VECTOR_ROWS * 2;   \
+                const sums_t dw = row_scales(scales), mw = HAS_MIN ? row_scales(scales + 32) : dw;              \
+                for (int t = 0; t < TOKENS; t++) {                                                              \
+                    const int64_t at = (t0 + t) * blocks + b;                                                   \
+                    const rows_t sum = block_sum(w, x.q + at * QUANT_BLOCK, x.sum[at], !(HAS_MIN));             \
+                    const sums_t scale = RV(mul_ps)(dw, RV(set1_ps)(x.d[at]));                                  \
+                    acc[v][t] = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), scale, acc[v][t]);                           \
+                    if (HAS_MIN) acc[v][t] = RV(fmadd_ps)(mw, RV(set1_ps)(x.s[at]), acc[v][t]);                 \
+                }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
-        float zeros[HAS_MIN ? blocks : 1]; /* a row's mw, for Σ_b mw sx */                                    \
-        for (int r = 0; r < ROWS; r++) {                                                                        \
-            if (HAS_MIN)                                                                                        \
-                for (int64_t b = 0; b < blocks; b++) {                                                          \
-                    float unused;                                                                               \
-                    block_scales(rows + r * row_bytes + b * (BLOCK_BYTES), &unused, zeros + b);                 \
+        for (int v = 0; v < VECTORS; v++) {                                                                     \
+            const int64_t row = (v0 + v) * VECTOR_ROWS, rows = N - row < VECTOR_ROWS ? N - row : VECTOR_ROWS;   \
+            for (int t = 0; t < TOKENS; t++) {                                                                  \
+                float *out = y + (t0 + t) * N + row;                                                            \
+                if (rows == VECTOR_ROWS) {                                                                      \
+                    RV(storeu_ps)(out, acc[v][t]);                                                              \
+                } else if (rows > 0) { /* a last group's padding rows: computed, not stored */                  \
+                    float lanes[VECTOR_ROWS];                                                                   \
+                    RV(storeu_ps)(lanes, acc[v][t]);                                                            \
+                    memcpy(out, lanes, (size_t)rows * 4);                                                       \
                 }                                                                                               \
-            for (int t = 0; t < TOKENS; t++)                                                                    \
-                y[t * N + r] = sum8(acc[r][t]) + (HAS_MIN ? dot(zeros, x.s + (t0 + t) * blocks, blocks) : 0.0f); \
+            }                                                                                                   \
         }                                                                                                       \
     }
 
-#define Q8_ROW_TILE 2
-#define Q8_TOKEN_TILE 4
-#define Q8_ONE_TOKEN_ROWS 4
+#define ROWS_TOKEN_TILE 4
 
-/* NAME(x, T, K, weights, N, y) as the fp32-activation ops above, with x quantized per token first. */
-#define Q8_BLOCK_MATMUL(NAME, FORMAT, BLOCK_BYTES, HAS_MIN)                                                       \
-    Q8_MICROKERNEL(NAME, FORMAT, BLOCK_BYTES, HAS_MIN, Q8_ROW_TILE, Q8_TOKEN_TILE)                               \
-    Q8_MICROKERNEL(NAME, FORMAT, BLOCK_BYTES, HAS_MIN, Q8_ROW_TILE, 1)                                           \
-    Q8_MICROKERNEL(NAME, FORMAT, BLOCK_BYTES, HAS_MIN, Q8_ONE_TOKEN_ROWS, 1)                                     \
-    Q8_MICROKERNEL(NAME, FORMAT, BLOCK_BYTES, HAS_MIN, 1, Q8_TOKEN_TILE)                                         \
-    Q8_MICROKERNEL(NAME, FORMAT, BLOCK_BYTES, HAS_MIN, 1, 1)                                                     \
-    void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {            \
-        const int64_t blocks = K / QUANT_BLOCK, row_bytes = blocks * (BLOCK_BYTES);                             \
+/* NAME(x, T, K, weights, N, y) as the fp32-activation ops above, with x quantized per token first and the weights
+ * as PACK's row groups. */
+#define ROWS_MATMUL(NAME, FORMAT, GROUP_BYTES, HAS_MIN)                                                         \
+    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, ONE_TOKEN_VECTORS, 1)                                  \
+    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, 1, ROWS_TOKEN_TILE)                                    \
+    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, 1, 1)                                                  \
+    void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {              \
+        const int64_t blocks = K / QUANT_BLOCK;                                                                 \
+        const int64_t vectors = (N + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_VECTORS;                              \
         const Q8Activations a = quantize_rows(x, T, K);                                                         \
         if (T == 1) {                                                                                           \
-            const int64_t tiles = (N + Q8_ONE_TOKEN_ROWS - 1) / Q8_ONE_TOKEN_ROWS;                              \
+            const int64_t tiles = (vectors + ONE_TOKEN_VECTORS - 1) / ONE_TOKEN_VECTORS;                        \
             _Pragma("omp parallel for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {         \
-                const int64_t n0 = tile * Q8_ONE_TOKEN_ROWS;                                                    \
-                if (N - n0 >= Q8_ONE_TOKEN_ROWS)                                                                \
-                    Q8_TILE(NAME, Q8_ONE_TOKEN_ROWS, 1)(weights + n0 * row_bytes, row_bytes, blocks, a, 0, y + n0, N); \
+                const int64_t v0 = tile * ONE_TOKEN_VECTORS;                                                    \
+                if (vectors - v0 >= ONE_TOKEN_VECTORS)                                                          \
+                    ROWS_TILE(NAME, ONE_TOKEN_VECTORS, 1)(weights, blocks, a, K, v0, 0, y, N);                  \
                 else                                                                                            \
-                    for (int64_t n = n0; n < N; n++)                                                            \
-                        Q8_TILE(NAME, 1, 1)(weights + n * row_bytes, row_bytes, blocks, a, 0, y + n, N);        \
+                    for (int64_t v = v0; v < vectors; v++) ROWS_TILE(NAME, 1, 1)(weights, blocks, a, K, v, 0, y, N); \
             }                                                                                                   \
             free_activations(a);                                                                                \
             return;                                                                                             \
         }                                                                                                       \
-        const int64_t tiles = (N + Q8_ROW_TILE - 1) / Q8_ROW_TILE;                                              \
         for (int64_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {                                                       \
-            const int64_t tokens = T - t0 < TOKEN_CHUNK ? T - t0 : TOKEN_CHUNK;                                 \
-            _Pragma("omp parallel for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {         \
-                const int64_t n0 = tile * Q8_ROW_TILE;                                                          \
-                const uint8_t *rows = weights + n0 * row_bytes;                                                 \
-                if (N - n0 >= Q8_ROW_TILE) {                                                                    \
-                    int64_t t = t0;                                                                             \
-                    for (; t + Q8_TOKEN_TILE <= t0 + tokens; t += Q8_TOKEN_TILE)                                \
-                        Q8_TILE(NAME, Q8_ROW_TILE, Q8_TOKEN_TILE)(rows, row_bytes, blocks, a, t, y + t * N + n0, N); \
-                    for (; t < t0 + tokens; t++)                                                                \
-                        Q8_TILE(NAME, Q8_ROW_TILE, 1)(rows, row_bytes, blocks, a, t, y + t * N + n0, N);        \
-                } else {                                                                                        \
-                    for (int64_t n = n0; n < N; n++) {                                                          \
-                        const uint8_t *row = weights + n * row_bytes;                                           \
-                        int64_t t = t0;                                                                         \
-                        for (; t + Q8_TOKEN_TILE <= t0 + tokens; t += Q8_TOKEN_TILE)                            \
-                            Q8_TILE(NAME, 1, Q8_TOKEN_TILE)(row, row_bytes, blocks, a, t, y + t * N + n, N);    \
-                        for (; t < t0 + tokens; t++)                                                            \
-                            Q8_TILE(NAME, 1, 1)(row, row_bytes, blocks, a, t, y + t * N + n, N);                \
-                    }                                                                                           \
-                }                                                                                               \
+            const int64_t end = T - t0 < TOKEN_CHUNK ? T : t0 + TOKEN_CHUNK;                                    \
+            _Pragma("omp parallel for schedule(static)") for (int64_t v = 0; v < vectors; v++) {                \
+                int64_t t = t0;                                                                                 \
+                for (; t + ROWS_TOKEN_TILE <= end; t += ROWS_TOKEN_TILE)                                        \
+                    ROWS_TILE(NAME, 1, ROWS_TOKEN_TILE)(weights, blocks, a, K, v, t, y, N);                     \
+                for (; t < end; t++) ROWS_TILE(NAME, 1, 1)(weights, blocks, a, K, v, t, y, N);                  \
             }                                                                                                   \
         }                                                                                                       \
         free_activations(a);                                                                                    \
     }
 
-Q8_BLOCK_MATMUL(q4_q8_matmul, q4_1, Q4_1_BYTES, 1)
-Q8_BLOCK_MATMUL(q8_q8_matmul, q8_0, Q8_0_BYTES, 0)
+ROWS_MATMUL(q4_q8_matmul, q4_1, Q4_GROUP_BYTES, 1)
+ROWS_MATMUL(q8_q8_matmul, q8_0, Q8_GROUP_BYTES, 0)
 
 /* ---- attention over the paged cache ----
  * Caches: [blocks][block_size][kv_heads][D]; a sequence's block table lists its blocks. Query heads g * G ..
