@@ -95,8 +95,9 @@ def test_a_high_priority_request_starts_within_a_few_steps_and_no_low_priority_o
     high.join()
     lows_done = [len(low.arrivals) >= LOW_TOKENS for low in lows]
     time_to_first_token = high.arrivals[0] - high.sent
-    # within a few steps of what it takes on an idle engine (waiting for a low stream to end: ~200 steps)
-    assert time_to_first_token < idle_ttft + 6 * step, (time_to_first_token, idle_ttft, step)
+    # within a few steps of what it takes on an idle engine; waiting for a low stream to end would take ~200. (Up
+    # to 20: on a 2-core host a busy neighbour once stretched the admission to 10 steps of the ones measured above.)
+    assert time_to_first_token < idle_ttft + 20 * step, (time_to_first_token, idle_ttft, step)
     assert high.finish_reason == "length" and high.completion_tokens == 8
     # one running low-priority stream went back to waiting for it (FCFS it would have waited for a whole stream)
     assert _published(stack, "tritonllm:preemptions_total", lambda count: count - preemptions_before >= 1)
