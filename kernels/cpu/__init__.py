@@ -187,40 +187,33 @@ def pack_q8_rows(blocks: torch.Tensor) -> torch.Tensor:
     return _row_groups(codes.reshape(rows, -1), [d])
 
 
-def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
-    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), packed.shape[0], out.data_ptr())
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr())
     return out
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q4's weights [out, in].T → [tokens, out]."""
-    return _block_matmul(_library.q4_matmul, x, packed)
+    return _block_matmul(_library.q4_matmul, x, packed, packed.shape[0])
 
 
 def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q8_exact's weights [out, in].T → [tokens, out]."""
-    return _block_matmul(_library.q8_matmul, x, packed)
+    return _block_matmul(_library.q8_matmul, x, packed, packed.shape[0])
 
 
 def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     """x [tokens, in] float32 @ the weights [rows, in].T that pack_q4_rows packed, with each token's x quantized per
     block of 32 to int8 codes first (llama.cpp's Q8_1: codes round(x / dx) with dx the block's absmax / 127, and
     sx = dx · Σ codes): Σ_b dw·dx·(the block's code products, summed exactly) + mw·sx."""
-    return _rows_matmul(_library.q4_q8_matmul, x, packed, rows)
+    return _block_matmul(_library.q4_q8_matmul, x, packed, rows)
 
 
 def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     """As q4_q8_matmul over pack_q8_rows's weights (Σ_b dw·dx·Σ code products)."""
-    return _rows_matmul(_library.q8_q8_matmul, x, packed, rows)
-
-
-def _rows_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr())
-    return out
+    return _block_matmul(_library.q8_q8_matmul, x, packed, rows)
 
 
 def sample_tokens(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,
