@@ -345,14 +345,14 @@ BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
 #define Q4_GROUP_BYTES (4 * GROUP_CHUNK + 64)   /* per block: 32 nibbles a row in 4 chunks, 16 dw, 16 mw */
 #define Q8_GROUP_BYTES (8 * GROUP_CHUNK + 32)   /* per block: 32 codes + 128 a row (as u8) in 8 chunks, 16 dw */
 
-typedef struct { /* a step's activations, quantized: [T][K] codes, and per [T][K / 32] block dx, sx, Σ qx */
+typedef struct { /* a step's activations, quantized: [T][K] codes, and per [T][K / 32] block dx and Σ qx */
     int8_t *q;
-    float *d, *s;
+    float *d;
     int32_t *sum;
 } Q8Activations;
 
-/* One token's K inputs (K a multiple of 32) as codes, scales and sums. */
-static void quantize_q8(const float *x, int64_t K, int8_t *q, float *d, float *s, int32_t *sum) {
+/* One token's K inputs (K a multiple of 32) as codes, scales and sums of codes. */
+static void quantize_q8(const float *x, int64_t K, int8_t *q, float *d, int32_t *sum) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < K / QUANT_BLOCK; b++) {
         __m256 v[4], top = _mm256_setzero_ps();
@@ -379,24 +379,21 @@ static void quantize_q8(const float *x, int64_t K, int8_t *q, float *d, float *s
         t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
         d[b] = scale;
         sum[b] = _mm_cvtsi128_si32(t4);
-        s[b] = scale * (float)sum[b];
     }
 }
 
 static Q8Activations quantize_rows(const float *x, int64_t T, int64_t K) {
     const int64_t blocks = K / QUANT_BLOCK;
     const Q8Activations a = {aligned_alloc(64, (size_t)((T * K + 63) / 64 * 64)), malloc((size_t)(T * blocks * 4)),
-                             malloc((size_t)(T * blocks * 4)), malloc((size_t)(T * blocks * 4))};
+                             malloc((size_t)(T * blocks * 4))};
 #pragma omp parallel for schedule(static) if (T > 1)
-    for (int64_t t = 0; t < T; t++)
-        quantize_q8(x + t * K, K, a.q + t * K, a.d + t * blocks, a.s + t * blocks, a.sum + t * blocks);
+    for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * blocks, a.sum + t * blocks);
     return a;
 }
 
 static void free_activations(Q8Activations a) {
     free(a.q);
     free(a.d);
-    free(a.s);
     free(a.sum);
 }
 
@@ -499,7 +496,8 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x, int32_t x_sum
                     const rows_t sum = block_sum(w, x.q + at * QUANT_BLOCK, x.sum[at], !(HAS_MIN));             \
                     const sums_t scale = RV(mul_ps)(dw, RV(set1_ps)(x.d[at]));                                  \
                     acc[v][t] = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), scale, acc[v][t]);                           \
-                    if (HAS_MIN) acc[v][t] = RV(fmadd_ps)(mw, RV(set1_ps)(x.s[at]), acc[v][t]);                 \
+                    if (HAS_MIN) /* sx = dx Σ qx */                                                              \
+                        acc[v][t] = RV(fmadd_ps)(mw, RV(set1_ps)(x.d[at] * (float)x.sum[at]), acc[v][t]);       \
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
@@ -521,7 +519,7 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x, int32_t x_sum
 #define ROWS_TOKEN_TILE 4
 
 /* NAME(x, T, K, weights, N, y) as the fp32-activation ops above, with x quantized per token first and the weights
- * as PACK's row groups. */
+ * in row groups (pack_q4_rows, pack_q8_rows). */
 #define ROWS_MATMUL(NAME, FORMAT, GROUP_BYTES, HAS_MIN)                                                         \
     ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, ONE_TOKEN_VECTORS, 1)                                  \
     ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, 1, ROWS_TOKEN_TILE)                                    \
