@@ -176,8 +176,9 @@ static inline void dequantize_q4_1(const uint8_t *block, vf *out) {
     out[0] = __builtin_convertvector(codes & 15, vf) * dv + mv;
     out[1] = __builtin_convertvector(codes >> 4, vf) * dv + mv;
 #else
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4));
-    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(bytes), (vi)_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
+    /* 8 bytes each, widened straight from memory (vpmovzxbd's load form: no byte shift in a register) */
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 4))),
+                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 12)))};
     for (int half = 0; half < 2; half++) {
         out[half] = __builtin_convertvector(codes[half] & 15, vf) * dv + mv;
         out[2 + half] = __builtin_convertvector(codes[half] >> 4, vf) * dv + mv;
