@@ -165,9 +165,10 @@ class Int4Projection(Projection):
 
 
 class Q4Projection(Projection):
-    """Q4_1 weights as the checkpoint's blocks (5 bits a weight with their scales): the CPU ops' kernel
-    dequantizes w = d · q + m per block in registers and multiplies in fp32, or, with int8 activations, sums each
-    block's products of codes in integers over the blocks repacked in groups of rows (q4_q8_matmul)."""
+    """Q4_1 weights as the checkpoint's blocks: the CPU ops' kernel dequantizes w = d · q + m per block in
+    registers and multiplies in fp32 (6 bits a weight with the scales widened to fp32), or, with int8 activations,
+    sums each block's products of codes in integers over the blocks repacked in groups of rows (q4_q8_matmul; 5
+    bits a weight)."""
 
     def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, int8_activations: bool):
         super().__init__(bias)

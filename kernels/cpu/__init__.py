@@ -129,11 +129,13 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Q4_1 codes q [out, in] (0..15) and fp16 scales d, zeros m [out, in / 32] → the kernel's blocks
-    [out, in / 32, 20] uint8: d, m, then 16 bytes holding element j (low nibble) and j + 16 (high)."""
+    [out, in / 32, 24] uint8: d, m as fp32 (the same values), then 16 bytes holding element j (low nibble) and
+    j + 16 (high)."""
     rows, width = q.shape
     codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, QUANT_BLOCK)
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    scales = [t.to(torch.float16).contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 2) for t in (d, m)]
+    scales = [t.to(torch.float16).float().contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 4)
+              for t in (d, m)]
     return torch.cat([*scales, nibbles], dim=-1).contiguous()
 
 

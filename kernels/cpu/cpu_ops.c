@@ -141,7 +141,9 @@ static inline vf exp_lanes(vf x) {
  * w = d * q, q signed. Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
 
 #define QUANT_BLOCK 32
-#define Q4_1_BYTES 20 /* fp16 d, fp16 m, 16 bytes of nibbles: element j low, element j + 16 high */
+#define Q4_1_BYTES 24 /* fp32 d, fp32 m (the GGUF's fp16, widened at load: each a broadcast from memory, where
+                       * fp16 took a conversion and two shuffles per row and block), 16 bytes of nibbles: element
+                       * j low, element j + 16 high */
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 
 /* A block's two leading fp16 values as floats. One vector conversion of both: a scalar one merges into its
@@ -166,19 +168,17 @@ static inline void block_scales(const uint8_t *block, float *first, float *secon
 
 /* A block's 32 weights as BLOCK_VECTORS vectors (in registers, once inlined). */
 static inline void dequantize_q4_1(const uint8_t *block, vf *out) {
-    float d, m;
-    block_scales(block, &d, &m);
-    const vf dv = splat(d), mv = splat(m);
+    const vf dv = splat(*(const float *)block), mv = splat(*(const float *)(block + 4));
     /* each byte widened to an int32 lane once, then split into its two nibbles there: one shuffle per VLEN bytes
      * (intrinsics: GCC scalarizes these conversions written as vector casts) */
 #if VLEN == 16
-    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 4)));
+    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 8)));
     out[0] = __builtin_convertvector(codes & 15, vf) * dv + mv;
     out[1] = __builtin_convertvector(codes >> 4, vf) * dv + mv;
 #else
     /* 8 bytes each, widened straight from memory (vpmovzxbd's load form: no byte shift in a register) */
-    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 4))),
-                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 12)))};
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8))),
+                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 16)))};
     for (int half = 0; half < 2; half++) {
         out[half] = __builtin_convertvector(codes[half] & 15, vf) * dv + mv;
         out[2 + half] = __builtin_convertvector(codes[half] >> 4, vf) * dv + mv;
