@@ -146,21 +146,17 @@ static inline vf exp_lanes(vf x) {
                        * j low, element j + 16 high */
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 
-/* A block's two leading fp16 values as floats. One vector conversion of both: a scalar one merges into its
- * destination register, which chains every block to the one before. */
-static inline void block_scales(const uint8_t *block, float *first, float *second) {
+/* A Q8_0 block's fp16 scale as a float. A vector conversion (of it and the first two codes): a scalar one merges
+ * into its destination register, which chains every block to the one before. */
+static inline float block_scale(const uint8_t *block) {
 #if defined(__F16C__)
-    int32_t both;
-    memcpy(&both, block, 4);
-    const __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128(both));
-    *first = scales[0];
-    *second = scales[1];
+    int32_t bytes;
+    memcpy(&bytes, block, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(bytes))[0];
 #else
-    _Float16 a, b;
-    memcpy(&a, block, 2);
-    memcpy(&b, block + 2, 2);
-    *first = (float)a;
-    *second = (float)b;
+    _Float16 scale;
+    memcpy(&scale, block, 2);
+    return (float)scale;
 #endif
 }
 
@@ -168,7 +164,10 @@ static inline void block_scales(const uint8_t *block, float *first, float *secon
 
 /* A block's 32 weights as BLOCK_VECTORS vectors (in registers, once inlined). */
 static inline void dequantize_q4_1(const uint8_t *block, vf *out) {
-    const vf dv = splat(*(const float *)block), mv = splat(*(const float *)(block + 4));
+    float d, m;
+    memcpy(&d, block, 4);
+    memcpy(&m, block + 4, 4);
+    const vf dv = splat(d), mv = splat(m);
     /* each byte widened to an int32 lane once, then split into its two nibbles there: one shuffle per VLEN bytes
      * (intrinsics: GCC scalarizes these conversions written as vector casts) */
 #if VLEN == 16
@@ -187,9 +186,7 @@ static inline void dequantize_q4_1(const uint8_t *block, vf *out) {
 }
 
 static inline void dequantize_q8_0(const uint8_t *block, vf *out) {
-    float d, unused;
-    block_scales(block, &d, &unused); /* (the second value is the first two codes: read, not used) */
-    const vf dv = splat(d);
+    const vf dv = splat(block_scale(block));
     for (int i = 0; i < QUANT_BLOCK; i += VLEN) {
 #if VLEN == 16 /* intrinsics: GCC scalarizes the conversion of signed bytes */
         const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 2 + i));
