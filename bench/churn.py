@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from churn import run_churn  # noqa: E402
 

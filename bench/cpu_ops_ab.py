@@ -1,5 +1,5 @@
 """Before/after of a change to the CPU ops: the engine in this process, with the ops of a git revision's
-kernels/cpu/cpu_ops.c and of this checkout's swapped between runs, alternating (the host's drift between separate
+tritonllm/kernels/cpu/cpu_ops.c and of this checkout's swapped between runs, alternating (the host's drift between separate
 processes can exceed the change), at each streams level; prints each run and the medians.
 
     .venv/bin/python bench/cpu_ops_ab.py --before b5d3932 [--streams 1,32] [--rounds 4] [--tokens 128]
@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from backend.config import EngineConfig  # noqa: E402
-from backend.llm_engine import LLMEngine  # noqa: E402
-from backend.model_files import prepare_default_model  # noqa: E402
-from kernels import cpu  # noqa: E402
+from tritonllm.engine.config import EngineConfig  # noqa: E402
+from tritonllm.engine.llm_engine import LLMEngine  # noqa: E402
+from tritonllm.model_files import prepare_default_model  # noqa: E402
+from tritonllm.kernels import cpu  # noqa: E402
 from throughput import engine_run  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def built_ops(revision: str | None, directory: Path):
     source = cpu.SOURCE
     if revision is not None:
         source = directory / "cpu_ops.c"
-        source.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:kernels/cpu/cpu_ops.c"],
+        source.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:tritonllm/kernels/cpu/cpu_ops.c"],
                                           check=True, capture_output=True).stdout)
     path = cpu.build(directory / "build", source)
     if path is None:

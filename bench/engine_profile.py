@@ -15,12 +15,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from backend.config import EngineConfig  # noqa: E402
-from backend.interface.parameters import SamplingParams  # noqa: E402
-from backend.llm_engine import LLMEngine, Request  # noqa: E402
-from backend.model_files import prepare_default_model  # noqa: E402
+from tritonllm.engine.config import EngineConfig  # noqa: E402
+from tritonllm.interface.parameters import SamplingParams  # noqa: E402
+from tritonllm.engine.llm_engine import LLMEngine, Request  # noqa: E402
+from tritonllm.model_files import prepare_default_model  # noqa: E402
 
 
 def decoding_engine(engine: LLMEngine, batch: int, context: int, steps: int) -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from backend.config import EngineConfig
-from backend.llm_engine import LLMEngine
-from backend.interface.parameters import SamplingParams
-from backend.llm_engine import Request
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.llm_engine import Request
 
 PROMPTS = ["The capital of France is", "def quicksort(items):", "Once upon a time, in a quiet village,"]
 

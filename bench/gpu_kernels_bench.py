@@ -12,16 +12,16 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-import kernels
-from backend.config import EngineConfig
-from backend.llm_engine import LLMEngine
+from tritonllm import kernels
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.llm_engine import LLMEngine
 from gpu_engine_check import decode_rate, random_checkpoint  # bench/ is the script's directory
-from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
-from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
-from kernels.kv_cache import store_kv_cache_reference, store_kv_cache_triton
-from kernels.prefill_attention import prefill_attention_reference, prefill_attention_triton
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton
-from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+from tritonllm.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from tritonllm.kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
+from tritonllm.kernels.kv_cache import store_kv_cache_reference, store_kv_cache_triton
+from tritonllm.kernels.prefill_attention import prefill_attention_reference, prefill_attention_triton
+from tritonllm.kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from tritonllm.kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
 
 DTYPE = torch.bfloat16
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

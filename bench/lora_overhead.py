@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from backend.config import EngineConfig  # noqa: E402
-from backend.llm_engine import LLMEngine  # noqa: E402
-from backend.interface.parameters import SamplingParams  # noqa: E402
-from backend.llm_engine import Request  # noqa: E402
-from backend.model_files import prepare_default_model  # noqa: E402
+from tritonllm.engine.config import EngineConfig  # noqa: E402
+from tritonllm.engine.llm_engine import LLMEngine  # noqa: E402
+from tritonllm.interface.parameters import SamplingParams  # noqa: E402
+from tritonllm.engine.llm_engine import Request  # noqa: E402
+from tritonllm.model_files import prepare_default_model  # noqa: E402
 from engine_helpers import generate  # noqa: E402
 from lora_helpers import merged_model, write_random_adapter  # noqa: E402
 

@@ -42,10 +42,10 @@ import torch
 # bench/ is the script's directory; importing throughput puts the repository and tests/ on the path
 from throughput import Run, cpu_description, engine_run, median_ms, streaming_run
 
-from backend.config import EngineConfig
-from backend.launcher import ENGINE_ENV, answers_ok
-from backend.llm_engine import LLMEngine
-from backend.model_files import default_gguf_path, prepare_default_model
+from tritonllm.engine.config import EngineConfig
+from tritonllm.launcher import ENGINE_ENV, answers_ok
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.model_files import default_gguf_path, prepare_default_model
 from stack_helpers import free_ports, running_stack
 from tritonllm.scale_out import Child
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repo first: tests/kernels must not shadow kernels
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from backend.model_files import prepare_default_model  # noqa: E402
+from tritonllm.model_files import prepare_default_model  # noqa: E402
 from stack_helpers import running_stack  # noqa: E402
 from throughput import median_ms, streaming_run  # noqa: E402
 

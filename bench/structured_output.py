@@ -17,12 +17,12 @@ import time
 import torch
 from tqdm import tqdm
 
-from backend.config import EngineConfig
-from backend.llm_engine import LLMEngine
-from backend.interface.parameters import SamplingParams
-from backend.llm_engine import Request
-from backend.model_files import prepare_default_model
-from kernels import apply_token_bitmask
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.llm_engine import Request
+from tritonllm.model_files import prepare_default_model
+from tritonllm.kernels import apply_token_bitmask
 
 SCHEMA = json.dumps({"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                                       "story": {"type": "string", "minLength": 1000}},

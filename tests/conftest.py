@@ -12,8 +12,8 @@ import openai
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.model_files import prepare_default_model
+from tritonllm.engine.config import EngineConfig
+from tritonllm.model_files import prepare_default_model
 from lora_helpers import write_random_adapter
 from stack_helpers import (EXACT_OPTIONS, STACK_LORA_ADAPTERS, STACK_MAX_NUM_SEQS, STACK_MAX_QUEUE_LEN, Stack,
                            StackProcess, check_stack_survived, running_stack)
@@ -95,7 +95,7 @@ def tiny_engine(tiny_dir: Path):
     """An exact engine serving the tiny checkpoint; block_size 4 and a 16-token budget: prompts span several blocks
     and prefill in chunks."""
     # imported on use: the engine imports `kernels`, which tests/kernels/conftest.py must configure first
-    from backend.llm_engine import LLMEngine
+    from tritonllm.engine.llm_engine import LLMEngine
     from engine_helpers import EXACT
     return LLMEngine(EngineConfig(model_path=str(tiny_dir), **EXACT, kv_cache_memory=4 << 20, block_size=4,
                                   max_num_batched_tokens=16))

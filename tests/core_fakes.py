@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import torch
 
-from backend.engine.lora_slots import LoraSlotPool
-from backend.engine.scheduler import ScheduledSequence, Scheduler
-from backend.engine.sequence import CoreOutput, CoreRequest, SampledToken, Sequence, SequenceUpdate
-from backend.interface.parameters import SamplingParams
-from backend.layers.lora import LoraAdapter
+from tritonllm.engine.core.lora_slots import LoraSlotPool
+from tritonllm.engine.core.scheduler import ScheduledSequence, Scheduler
+from tritonllm.engine.core.sequence import CoreOutput, CoreRequest, SampledToken, Sequence, SequenceUpdate
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.layers.lora import LoraAdapter
 
 _request_ids = itertools.count()
 SAMPLED_TOKEN = 7  # what the fake step "samples": every sequence generates it

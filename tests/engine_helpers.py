@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.interface.parameters import SamplingParams
-from backend.layers.attention import AttentionMetadata, PrefillBatch
-from backend.llm_engine import LLMEngine, Request
-from backend.processing.outputs import RequestOutput
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.layers.attention import AttentionMetadata, PrefillBatch
+from tritonllm.engine.llm_engine import LLMEngine, Request
+from tritonllm.engine.processing.outputs import RequestOutput
 
 _ids = itertools.count()
 

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import answers_ok, log_tail
-from backend.model_files import served_model_name
+from tritonllm.launcher import answers_ok, log_tail
+from tritonllm.model_files import served_model_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STACK_START_TIMEOUT_S = 180

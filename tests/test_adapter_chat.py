@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from openai_adapter.chat import ChatService
-from openai_adapter.completions import sampling_parameters
-from openai_adapter.errors import AdapterError
-from openai_adapter.protocol import (
+from tritonllm.adapter.chat import ChatService
+from tritonllm.adapter.completions import sampling_parameters
+from tritonllm.adapter.errors import AdapterError
+from tritonllm.adapter.protocol import (
     ChatCompletionRequest,
     CompletionChoice,
     CompletionLogprobs,

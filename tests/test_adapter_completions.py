@@ -8,13 +8,13 @@ import pytest
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
-from openai_adapter.completions import CompletionService, sampling_parameters
-from openai_adapter.concurrency import merge
-from openai_adapter.errors import AdapterError, invalid_request
-from openai_adapter.logprobs import LogprobsAccumulator, completion_logprobs
-from openai_adapter.protocol import CompletionRequest, CompletionResponse
-from openai_adapter.sse import DONE_EVENT, chunk_event, completion_events
-from openai_adapter.triton_client import ChoiceOutput, GenerateRequest, TritonChunk, _parse_response
+from tritonllm.adapter.completions import CompletionService, sampling_parameters
+from tritonllm.adapter.concurrency import merge
+from tritonllm.adapter.errors import AdapterError, invalid_request
+from tritonllm.adapter.logprobs import LogprobsAccumulator, completion_logprobs
+from tritonllm.adapter.protocol import CompletionRequest, CompletionResponse
+from tritonllm.adapter.sse import DONE_EVENT, chunk_event, completion_events
+from tritonllm.adapter.triton_client import ChoiceOutput, GenerateRequest, TritonChunk, _parse_response
 
 MODEL = "test-model"
 

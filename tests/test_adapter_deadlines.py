@@ -11,11 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fake_triton import FakeTriton, Script
-from openai_adapter import AdapterSettings, create_app
-from openai_adapter.concurrency import merge
-from openai_adapter.deadlines import REQUEST_TIMEOUT_HEADER
-from openai_adapter.errors import AdapterError, service_unavailable
-from openai_adapter.triton_client import GenerateRequest, TritonClient
+from tritonllm.adapter import AdapterSettings, create_app
+from tritonllm.adapter.concurrency import merge
+from tritonllm.adapter.deadlines import REQUEST_TIMEOUT_HEADER
+from tritonllm.adapter.errors import AdapterError, service_unavailable
+from tritonllm.adapter.triton_client import GenerateRequest, TritonClient
 
 MODEL = "fake-model"
 

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from fastapi.testclient import TestClient
 
 from stack_helpers import free_ports
-from openai_adapter import AdapterSettings, create_app
+from tritonllm.adapter import AdapterSettings, create_app
 
 KEY = "sk-test-key"
 
@@ -146,7 +146,7 @@ def test_without_triton_metrics_loads_are_unavailable_and_metrics_still_answer()
 
 def test_health_is_red_while_an_engine_instance_is_dead(monkeypatch):
     """Triton calls the model ready while a dead engine refuses everything inside it: its gauge tells."""
-    from openai_adapter.triton_client import TritonClient
+    from tritonllm.adapter.triton_client import TritonClient
 
     async def ready(self) -> bool:
         return True

@@ -10,7 +10,7 @@ import pytest
 from stack_helpers import free_ports
 from fastapi.testclient import TestClient
 
-from openai_adapter import AdapterSettings, create_app
+from tritonllm.adapter import AdapterSettings, create_app
 
 MODEL = "test-model"
 HEALTH_TIMEOUT_S = 1.0

@@ -7,8 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 from stack_helpers import free_ports
 
-from openai_adapter import AdapterSettings, create_app
-from openai_adapter.runtime_lora import VLLM_ENV
+from tritonllm.adapter import AdapterSettings, create_app
+from tritonllm.adapter.runtime_lora import VLLM_ENV
 
 MODEL = "test-model"
 KEY = "sk-test-key"

@@ -7,7 +7,7 @@ import pytest
 from stack_helpers import free_ports
 from fastapi.testclient import TestClient
 
-from openai_adapter import AdapterSettings, create_app
+from tritonllm.adapter import AdapterSettings, create_app
 
 MODEL = "test-model"
 KEY = "sk-test-key"

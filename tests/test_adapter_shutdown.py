@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.launcher import answers_ok
+from tritonllm.launcher import answers_ok
 from fake_triton import FakeTriton, Script
 from stack_helpers import REPO_ROOT, free_ports
 
@@ -33,7 +33,7 @@ def adapter(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str, FakeTriton]
     [port] = free_ports(1)
     with open(tmp_path / "adapter.log", "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "openai_adapter", "--triton-url", triton.url, "--served-model-name", MODEL,
+            [sys.executable, "-m", "tritonllm.adapter", "--triton-url", triton.url, "--served-model-name", MODEL,
              "--port", str(port), "--shutdown-grace", str(GRACE_S)],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     root = f"http://127.0.0.1:{port}"

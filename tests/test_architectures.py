@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from backend.interface.parameters import SamplingParams
-from backend.models import registry
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.models import registry
 from engine_helpers import generate, prefill_logits
 from tiny_models import TINY_CONFIGS, write_tiny_model
 

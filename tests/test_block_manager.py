@@ -3,9 +3,9 @@ of freed cached blocks, free-block accounting."""
 
 from __future__ import annotations
 
-from backend.engine.block_manager import BlockManager
-from backend.engine.sequence import Sequence
-from backend.interface.parameters import SamplingParams
+from tritonllm.engine.core.block_manager import BlockManager
+from tritonllm.engine.core.sequence import Sequence
+from tritonllm.interface.parameters import SamplingParams
 from core_fakes import adapter, distinct_prompt, make_sequence
 
 BLOCK = 4

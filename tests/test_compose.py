@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backend.interface.metric_names import ALL_NAMES
-from openai_adapter.settings import AdapterSettings
+from tritonllm.interface.metric_names import ALL_NAMES
+from tritonllm.adapter.settings import AdapterSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine.core_loop import CoreLoop
-from backend.engine.core_messages import AbortRequest, AddRequest
-from backend.interface.errors import EngineDead, Overloaded
-from backend.interface.parameters import SamplingParams
-from backend.llm_engine import LLMEngine
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.core_loop import CoreLoop
+from tritonllm.engine.core.core_messages import AbortRequest, AddRequest
+from tritonllm.interface.errors import EngineDead, Overloaded
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.llm_engine import LLMEngine
 from engine_helpers import EXACT, assert_idle
 
 MAX_QUEUE_LEN = 3

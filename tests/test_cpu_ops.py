@@ -1,4 +1,4 @@
-"""The CPU ops (kernels/cpu, C built for this machine) against their torch references: the same results to
+"""The CPU ops (tritonllm/kernels/cpu, C built for this machine) against their torch references: the same results to
 float32 rounding, each token's row the same to the bit whatever it is batched with, one OpenMP runtime; on an
 AVX-512 CPU, the AVX2 build (what most small cloud boxes run) passes the same tests."""
 
@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from backend.model_files import cpu_ops_dir
-from kernels import cpu
-from kernels.activation import silu_and_mul_reference
-from kernels.decode_attention import paged_decode_attention_reference
-from kernels.kv_cache import store_kv_cache_reference
-from kernels.prefill_attention import prefill_attention_reference
-from kernels.rms_norm import rms_norm_reference
-from kernels.rotary import rotary_embedding_reference
-from kernels.sampling import sample_tokens_reference
+from tritonllm import kernels
+from tritonllm.model_files import cpu_ops_dir
+from tritonllm.kernels import cpu
+from tritonllm.kernels.activation import silu_and_mul_reference
+from tritonllm.kernels.decode_attention import paged_decode_attention_reference
+from tritonllm.kernels.kv_cache import store_kv_cache_reference
+from tritonllm.kernels.prefill_attention import prefill_attention_reference
+from tritonllm.kernels.rms_norm import rms_norm_reference
+from tritonllm.kernels.rotary import rotary_embedding_reference
+from tritonllm.kernels.sampling import sample_tokens_reference
 
 CLOSE = {"atol": 2e-5, "rtol": 2e-5}
 CACHE_DTYPES = [torch.float32, torch.float16]  # the KV cache's (kv_cache_dtype auto on the CPU, float16)
@@ -172,9 +172,9 @@ def test_only_weights_that_are_q8_0_blocks_to_the_bit_are_packed_as_q8_0():
 def test_the_default_models_int4_lm_head_runs_as_its_q8_0_blocks(default_model_dir):
     """The GGUF's tied embedding is Q8_0: the int4 format's LM head is those blocks, and gives the float32 head's
     logits (to float32 rounding)."""
-    from backend.config import EngineConfig
-    from backend.layers.linear import Q8Projection
-    from backend.llm_engine import LLMEngine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.layers.linear import Q8Projection
+    from tritonllm.engine.llm_engine import LLMEngine
 
     model = LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4",
                                    kv_cache_memory=16 << 20)).core.runner.model
@@ -304,9 +304,9 @@ def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir,
     """The default model with int4 weights (fp32 or int8 activations) decodes through llama_decode; the same
     requests op by op give the same hidden states, to the bit (and so the same tokens), for a batch of sequences at
     different lengths."""
-    from backend.config import EngineConfig
-    from backend.interface.parameters import SamplingParams
-    from backend.llm_engine import LLMEngine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.interface.parameters import SamplingParams
+    from tritonllm.engine.llm_engine import LLMEngine
     from engine_helpers import generate
 
     engines = [LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format=weight_format, dtype="float32",

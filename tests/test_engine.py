@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from backend.config import EngineConfig
-from backend.engine.core_loop import CoreLoop
-from backend.interface.errors import InvalidRequest
-from backend.interface.parameters import SamplingParams
-from backend.llm_engine import LLMEngine, Request
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.core_loop import CoreLoop
+from tritonllm.interface.errors import InvalidRequest
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.llm_engine import LLMEngine, Request
 from engine_helpers import EXACT, assert_idle, generate
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)

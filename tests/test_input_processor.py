@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine.engine_core import ModelLimits
-from backend.interface.errors import InvalidRequest
-from backend.interface.parameters import SamplingParams
-from backend.processing.input_processor import InputProcessor, PromptOptions, load_tokenizer
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.engine_core import ModelLimits
+from tritonllm.interface.errors import InvalidRequest
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.processing.input_processor import InputProcessor, PromptOptions, load_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3,"}]
 

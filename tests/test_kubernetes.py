@@ -13,10 +13,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from backend import launcher
-from backend.config import EngineConfig, InstanceGroup
-from backend.interface.settings import env_name, settings_fields
-from openai_adapter.settings import AdapterSettings
+from tritonllm import launcher
+from tritonllm.engine.config import EngineConfig, InstanceGroup
+from tritonllm.interface.settings import env_name, settings_fields
+from tritonllm.adapter.settings import AdapterSettings
 from tritonllm import cli
 from tritonllm.cli import ServeSettings
 from tritonllm.gateway import GatewaySettings

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend import launcher, model_files
-from backend.config import EngineConfig, InstanceGroup
-from backend.interface import settings
-from backend.interface import tensors
+from tritonllm import launcher, model_files
+from tritonllm.engine.config import EngineConfig, InstanceGroup
+from tritonllm.interface import settings
+from tritonllm.interface import tensors
 from stack_helpers import free_ports
 from tritonllm import cli, scale_out
 from tritonllm.gateway import GatewaySettings, gateway_command
@@ -313,7 +313,7 @@ STAND_IN_MODEL = '''
 import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
-import backend  # the project must be importable from the stub
+import tritonllm.engine  # the project must be importable from the stub
 
 
 class TritonPythonModel:

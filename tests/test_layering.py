@@ -1,25 +1,36 @@
-"""Imports go downward only: interface ← layers ← models ← engine ← processing ← the Triton glue and the CLI; the
-adapter uses nothing of the Triton side but the torch-free interface; kernels import nothing of ours."""
+"""Imports go downward only: interface ← layers ← models ← core ← processing ← the Triton glue and the CLI; the
+adapter uses nothing of the Triton side but the torch-free interface; kernels import nothing of ours; everything
+is one import namespace, `tritonllm`."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tritonllm"
+ENGINE_PARTS = {"tritonllm.engine.config", "tritonllm.engine.layers", "tritonllm.engine.models",
+                "tritonllm.engine.core", "tritonllm.engine.processing"}
 # package → the packages of ours it may import (besides itself)
 ALLOWED = {
-    "backend.interface": set(),
-    "backend.config": {"backend.interface"},
-    "backend.layers": {"kernels", "backend.config", "backend.interface"},
-    "backend.models": {"kernels", "backend.layers", "backend.model_files", "backend.interface"},
-    "backend.engine": {"kernels", "backend.config", "backend.layers", "backend.models", "backend.model_files",
-                       "backend.interface"},
-    "backend.processing": {"backend.config", "backend.engine", "backend.layers", "backend.interface"},
-    "kernels": set(),
-    "openai_adapter": {"backend.interface"},
+    "tritonllm.interface": set(),
+    "tritonllm.kernels": set(),
+    "tritonllm.model_files": set(),
+    "tritonllm.parent_death": set(),
+    "tritonllm.engine.config": {"tritonllm.interface"},
+    "tritonllm.engine.layers": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.interface"},
+    "tritonllm.engine.models": {"tritonllm.kernels", "tritonllm.engine.layers", "tritonllm.model_files",
+                                "tritonllm.interface"},
+    "tritonllm.engine.core": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.engine.layers",
+                              "tritonllm.engine.models", "tritonllm.model_files", "tritonllm.interface"},
+    "tritonllm.engine.processing": {"tritonllm.engine.config", "tritonllm.engine.core", "tritonllm.engine.layers",
+                                    "tritonllm.interface"},
+    # the glue over the parts (LLMEngine, Triton tensors and metrics): never the adapter or the CLI
+    "tritonllm.engine": ENGINE_PARTS | {"tritonllm.kernels", "tritonllm.model_files", "tritonllm.interface"},
+    "tritonllm.adapter": {"tritonllm.interface"},
 }
 
 
@@ -31,19 +42,25 @@ def _package_of(module: str) -> str:
 
 
 def _our_imports(path: Path) -> set[str]:
+    """Every module (or module attribute) of ours that `path` imports, fully named."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
-        found |= {name for name in names if name.split(".")[0] in ("backend", "kernels", "openai_adapter", "tritonllm")}
-    return found
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.split(".")[0] == "tritonllm"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules():
-    for package in ALLOWED:
-        base = ROOT / package.replace(".", "/")
-        files = sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
-        for path in files:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        package = _package_of(_module_name(path))
+        if package in ALLOWED:
             yield pytest.param(package, path, id=str(path.relative_to(ROOT)))
 
 
@@ -52,3 +69,30 @@ def test_imports_go_downward(package, path):
     allowed = ALLOWED[package] | {package}
     wrong = sorted(name for name in _our_imports(path) if _package_of(name) not in allowed)
     assert not wrong, f"{path.relative_to(ROOT)} ({package}) imports {wrong}"
+
+
+def test_every_layer_rule_names_real_modules():
+    for package in ALLOWED:
+        base = ROOT / package.replace(".", "/")
+        assert base.is_dir() or base.with_suffix(".py").is_file(), package
+
+
+def test_the_model_triton_loads_imports_only_from_the_namespace():
+    model = PACKAGE / "model_repository" / "llm" / "1" / "model.py"
+    ours = _our_imports(model)
+    assert ours and all(_package_of(name) in ALLOWED or name.startswith("tritonllm.") for name in ours)
+    tree = ast.parse(model.read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    assert not imported & {"backend", "kernels", "openai_adapter"}
+
+
+def test_one_top_level_package_is_installed():
+    """`pip install tritonllm` adds `tritonllm` alone to site-packages (a top-level `kernels` would shadow Hugging
+    Face's, which transformers imports)."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["tritonllm*"]
+    stray = sorted(path.parent.name for path in ROOT.glob("*/__init__.py") if path.parent != PACKAGE)
+    assert not stray, f"importable folders beside tritonllm/: {stray}"

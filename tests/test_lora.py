@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from backend.config import EngineConfig
-from backend.llm_engine import LLMEngine
-from backend.interface.parameters import SamplingParams
-from backend.llm_engine import Request
-from backend.interface.errors import InvalidRequest, NotFound
-from backend.processing.lora_files import read_float32_safetensors
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.llm_engine import Request
+from tritonllm.interface.errors import InvalidRequest, NotFound
+from tritonllm.engine.processing.lora_files import read_float32_safetensors
 from engine_helpers import EXACT, TorchOps, generate
 from lora_helpers import merged_model, write_random_adapter
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM as HFLlama
 
-from backend.models import registry
+from tritonllm.engine.models import registry
 from engine_helpers import prefill_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away, there lived"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.model_runner import kv_cache_dtype
-from backend.engine.scheduler import ScheduledSequence
-from backend.interface.parameters import SamplingParams
-from backend.layers.attention import AttentionMetadata
-from backend.llm_engine import LLMEngine, Request
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.model_runner import kv_cache_dtype
+from tritonllm.engine.core.scheduler import ScheduledSequence
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.layers.attention import AttentionMetadata
+from tritonllm.engine.llm_engine import LLMEngine, Request
 from engine_helpers import EXACT, TorchOps, generate
 
 # ops that read a tensor's values back to the host (a device sync) or give data-dependent shapes
@@ -117,8 +117,8 @@ def test_mixed_step_of_decodes_and_prefill_chunks_keeps_greedy_outputs(default_m
 def test_the_formats_are_timed_on_a_copy_that_fits_in_half_the_memory_available(default_model_dir, monkeypatch):
     """The whole model where twice its bytes fit (the real step), else its first layers only; never fewer than one;
     the copy is the model's own numbers and leaves the model whole."""
-    from backend.engine import model_runner
-    from backend.models import registry
+    from tritonllm.engine.core import model_runner
+    from tritonllm.engine.models import registry
 
     model = registry.from_pretrained(default_model_dir, torch.float32, torch.device("cpu"))
     layer = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from backend.config import EngineConfig
-from backend.interface.parameters import SamplingParams
-from backend.llm_engine import LLMEngine
-from backend.models import registry
+from tritonllm.engine.config import EngineConfig
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.engine.models import registry
 from engine_helpers import generate
 from tiny_models import MOE_TYPES, TOP_K, num_moe_layers, tiny_config, write_tiny_model
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from backend.interface.parameters import SamplingParams
-from backend.model_files import prepare_default_model
-from backend.processing.detokenizer import IncrementalDetokenizer
-from backend.processing.output_processor import OutputProcessor, held_back_length
-from backend.processing.outputs import ChoiceDelta
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.model_files import prepare_default_model
+from tritonllm.engine.processing.detokenizer import IncrementalDetokenizer
+from tritonllm.engine.processing.output_processor import OutputProcessor, held_back_length
+from tritonllm.engine.processing.outputs import ChoiceDelta
 from core_fakes import PieceTokenizer, core_output
 
 class Choice:

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from stack_helpers import REPO_ROOT, child_pids, free_ports, running_stack
 
-from backend import launcher
-from backend.model_files import served_model_name
+from tritonllm import launcher
+from tritonllm.model_files import served_model_name
 
 sys.path.insert(0, str(REPO_ROOT))  # bench/ is scripts, not an installed package
 from bench.fuzz import run_campaign  # noqa: E402
@@ -84,7 +84,7 @@ def triton_and_adapter(default_model_dir: Path, tmp_path: Path) -> Iterator[tupl
     model = served_model_name(default_model_dir)
     with open(tmp_path / "adapter.log", "wb") as log:
         adapter = subprocess.Popen(
-            [sys.executable, "-m", "openai_adapter", "--triton-url", server.grpc_url, "--served-model-name", model,
+            [sys.executable, "-m", "tritonllm.adapter", "--triton-url", server.grpc_url, "--served-model-name", model,
              "--port", str(adapter_port), "--health-timeout", "1"],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:

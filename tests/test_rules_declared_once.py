@@ -1,4 +1,4 @@
-"""Each rule the adapter and the engine share is declared once (backend/interface); these tests walk the
+"""Each rule the adapter and the engine share is declared once (tritonllm/interface); these tests walk the
 declarations and check that both sides apply them alike: every request parameter reaches the engine through the
 adapter, parameters at their boundary values, the streaming rule, chat roles, LoRA adapter names, error kinds
 across the wire, engine settings."""
@@ -10,16 +10,16 @@ import json
 import numpy as np
 import pytest
 
-from backend.interface import errors, tensors
-from backend.interface.errors import ErrorKind, InvalidRequest
-from backend.interface.lora_names import available_adapters, resolve_adapter
-from backend.interface.parameters import PARAMETERS, Parameter, SamplingParams
-from backend.triton_io import ParsedRequest, parse_request
-from openai_adapter.completions import CompletionService, engine_parameters
-from openai_adapter.errors import AdapterError
-from openai_adapter.models import available_adapters as adapter_listing
-from openai_adapter.protocol import SPELLED_OTHERWISE, ChatCompletionRequest, CompletionRequest
-from openai_adapter.triton_client import _error_from_message, _request_inputs
+from tritonllm.interface import errors, tensors
+from tritonllm.interface.errors import ErrorKind, InvalidRequest
+from tritonllm.interface.lora_names import available_adapters, resolve_adapter
+from tritonllm.interface.parameters import PARAMETERS, Parameter, SamplingParams
+from tritonllm.engine.triton_io import ParsedRequest, parse_request
+from tritonllm.adapter.completions import CompletionService, engine_parameters
+from tritonllm.adapter.errors import AdapterError
+from tritonllm.adapter.models import available_adapters as adapter_listing
+from tritonllm.adapter.protocol import SPELLED_OTHERWISE, ChatCompletionRequest, CompletionRequest
+from tritonllm.adapter.triton_client import _error_from_message, _request_inputs
 from tritonclient.grpc import InferInput
 from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 

@@ -2,9 +2,9 @@
 
 import torch
 
-from backend.engine.structured_output import allowed_tokens_bitmask
-from kernels import filter_probs
-from kernels.sampling import apply_token_bitmask_reference, sample_from
+from tritonllm.engine.core.structured_output import allowed_tokens_bitmask
+from tritonllm.kernels import filter_probs
+from tritonllm.kernels.sampling import apply_token_bitmask_reference, sample_from
 
 
 def test_filters_keep_what_each_rule_allows():

@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.model_files import served_model_name
+from tritonllm.model_files import served_model_name
 from stack_helpers import REPO_ROOT, command_line, descendant_pids, free_port_range, free_ports
 from tritonllm.gateway import GatewaySettings, routes_to_every_stack
 from tritonllm.scale_out import PORTS_PER_STACK

@@ -4,10 +4,10 @@ the forward pass left out (core_fakes.step)."""
 
 from __future__ import annotations
 
-from backend.engine.block_manager import BlockManager
-from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence, SequenceStatus
-from backend.interface.parameters import SamplingParams
+from tritonllm.engine.core.block_manager import BlockManager
+from tritonllm.engine.core.scheduler import Scheduler
+from tritonllm.engine.core.sequence import Sequence, SequenceStatus
+from tritonllm.interface.parameters import SamplingParams
 from core_fakes import SAMPLED_TOKEN, adapter, distinct_prompt, lora_slot_pool, make_sequence, planned, step
 
 BLOCK = 4

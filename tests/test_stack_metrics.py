@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from backend.interface.metric_names import FINISHED, FINISH_REASONS, HISTOGRAMS
+from tritonllm.interface.metric_names import FINISHED, FINISH_REASONS, HISTOGRAMS
 from stack_helpers import wait_until_idle
 
 PROMPT = "The capital of France is"

@@ -12,8 +12,8 @@ import pytest
 from llguidance import LLMatcher
 from transformers import AutoTokenizer
 
-from backend.interface.errors import InvalidRequest
-from backend.processing.grammar_compiler import structural_tag_lark
+from tritonllm.interface.errors import InvalidRequest
+from tritonllm.engine.processing.grammar_compiler import structural_tag_lark
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
           "additionalProperties": False}

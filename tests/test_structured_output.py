@@ -12,12 +12,12 @@ import pytest
 import regex
 import torch
 
-from backend.config import EngineConfig
-from backend.engine import structured_output
-from backend.llm_engine import LLMEngine
-from backend.interface.parameters import SamplingParams
-from backend.llm_engine import Request
-from backend.interface.errors import InvalidRequest
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core import structured_output
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.llm_engine import Request
+from tritonllm.interface.errors import InvalidRequest
 from engine_helpers import EXACT, assert_idle, generate
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"

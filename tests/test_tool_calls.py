@@ -11,16 +11,16 @@ import pytest
 from llguidance import LLMatcher
 import llguidance.hf
 
-from backend.config import EngineConfig
-from backend.engine.engine_core import ModelLimits
-from backend.interface.errors import InvalidRequest
-from backend.interface.parameters import SamplingParams
-from backend.interface.tools import template_message, tool_spec
-from backend.processing.input_processor import InputProcessor, PromptOptions, load_tokenizer
-from backend.processing.output_processor import OutputProcessor
-from backend.processing.tool_calls import ToolCallParser, merge_tool_call_deltas, tool_call_lark
-from backend.processing.outputs import RequestOutput
-from backend.triton_io import ResponseBuilder, parse_request
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.engine_core import ModelLimits
+from tritonllm.interface.errors import InvalidRequest
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.interface.tools import template_message, tool_spec
+from tritonllm.engine.processing.input_processor import InputProcessor, PromptOptions, load_tokenizer
+from tritonllm.engine.processing.output_processor import OutputProcessor
+from tritonllm.engine.processing.tool_calls import ToolCallParser, merge_tool_call_deltas, tool_call_lark
+from tritonllm.engine.processing.outputs import RequestOutput
+from tritonllm.engine.triton_io import ResponseBuilder, parse_request
 from core_fakes import PieceTokenizer, core_output
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from backend.interface.errors import InvalidRequest
-from backend.interface.tensors import TOKENIZE_OUTPUTS
-from backend.processing.input_processor import PromptOptions, TokenizedPrompt
-from backend.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
-from backend.triton_io import ResponseBuilder, parse_request, tokenized_tensors
+from tritonllm.interface.errors import InvalidRequest
+from tritonllm.interface.tensors import TOKENIZE_OUTPUTS
+from tritonllm.engine.processing.input_processor import PromptOptions, TokenizedPrompt
+from tritonllm.engine.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+from tritonllm.engine.triton_io import ResponseBuilder, parse_request, tokenized_tensors
 
 
 def inputs(params: dict | None = None, **flags) -> dict:

@@ -8,11 +8,11 @@ from collections import defaultdict
 
 import pytest
 
-from backend.engine.sequence import RequestTimes
-from backend.interface.errors import Cancelled, EngineDead, Overloaded
-from backend.interface.metric_names import FINISH_REASONS, HISTOGRAMS
-from backend.processing.outputs import ChoiceDelta, RequestOutput
-from backend.triton_metrics import EngineMetrics, RequestTracker
+from tritonllm.engine.core.sequence import RequestTimes
+from tritonllm.interface.errors import Cancelled, EngineDead, Overloaded
+from tritonllm.interface.metric_names import FINISH_REASONS, HISTOGRAMS
+from tritonllm.engine.processing.outputs import ChoiceDelta, RequestOutput
+from tritonllm.engine.triton_metrics import EngineMetrics, RequestTracker
 
 
 class _FakeMetricFamily:

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.engine.model_runner import load_model
-from backend.interface.parameters import SamplingParams
-from backend.layers import linear
-from backend.llm_engine import LLMEngine
-from backend.models import registry
-from backend.model_files import cpu_ops_dir
-from backend.models.weights import read_q4_1_blocks
-from kernels import cpu as cpu_ops
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.model_runner import load_model
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.layers import linear
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.engine.models import registry
+from tritonllm.model_files import cpu_ops_dir
+from tritonllm.engine.models.weights import read_q4_1_blocks
+from tritonllm.kernels import cpu as cpu_ops
 from engine_helpers import generate, prefill_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]

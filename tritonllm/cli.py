@@ -17,11 +17,11 @@ import threading
 import time
 from pathlib import Path
 
-from backend import launcher, model_files
-from backend.config import EngineConfig, InstanceGroup
-from backend.interface import settings
-from backend.interface.settings import setting
-from openai_adapter.settings import AdapterSettings
+from tritonllm import launcher, model_files
+from tritonllm.engine.config import EngineConfig, InstanceGroup
+from tritonllm.interface import settings
+from tritonllm.interface.settings import setting
+from tritonllm.adapter.settings import AdapterSettings
 from tritonllm.gateway import GatewaySettings, gateway_command
 from tritonllm.scale_out import Fleet, FleetError, ScaleOutSettings
 
@@ -128,7 +128,7 @@ def _raise_stop(signum, frame) -> None:
 def prepare(args: argparse.Namespace) -> int:
     log.info("preparing the default model…")
     log.info("model ready at %s", model_files.prepare_default_model(force=args.force))
-    from kernels import cpu  # imports torch: only here
+    from tritonllm.kernels import cpu  # imports torch: only here
     built = cpu.load(model_files.cpu_ops_dir())
     log.info("CPU ops %s", f"built for this CPU in {model_files.cpu_ops_dir()}" if built else
              "unavailable (no C compiler, or TRITONLLM_CPU_OPS=0): torch ops")
@@ -220,7 +220,7 @@ def scale_out(args: argparse.Namespace) -> int:
 
 
 def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_name: str) -> None:
-    from openai_adapter.app import run
+    from tritonllm.adapter.app import run
 
     adapter_settings = settings.from_options(
         AdapterSettings, args, triton_url=server.grpc_url, triton_model=launcher.MODEL_NAME,

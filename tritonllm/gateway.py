@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from backend.interface.settings import setting
+from tritonllm.interface.settings import setting
 
 SHUTDOWN_GRACE_S = 5  # SMG would otherwise wait up to 180 s for in-flight requests on SIGTERM
 

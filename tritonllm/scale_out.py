@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from backend.interface.settings import setting
-from backend.launcher import answers_ok, log_tail
-from backend.parent_death import die_with_parent
+from tritonllm.interface.settings import setting
+from tritonllm.launcher import answers_ok, log_tail
+from tritonllm.parent_death import die_with_parent
 from tritonllm.gateway import SHUTDOWN_GRACE_S, GatewaySettings, gateway_command, routes_to_every_stack
 
 log = logging.getLogger("tritonllm.scale_out")

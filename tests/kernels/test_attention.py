@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.decode_attention as decode_attention
+import tritonllm.kernels.decode_attention as decode_attention
 from kernel_cases import ATTENTION_TOLERANCES, DEVICE, DTYPES
-from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
-from kernels.prefill_attention import prefill_attention_reference, prefill_attention_triton
+from tritonllm.kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
+from tritonllm.kernels.prefill_attention import prefill_attention_reference, prefill_attention_triton
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
-from kernels.kv_cache import store_kv_cache_reference, store_kv_cache_triton
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton
-from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+from tritonllm.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from tritonllm.kernels.kv_cache import store_kv_cache_reference, store_kv_cache_triton
+from tritonllm.kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from tritonllm.kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
 from kernel_cases import DEVICE, DTYPES, TOLERANCES
 
 

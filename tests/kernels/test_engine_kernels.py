@@ -13,12 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import kernels
-from backend.config import EngineConfig
-from backend.engine.sampler import Sampler
-from backend.engine.sequence import SampledToken, Sequence
-from backend.interface.parameters import SamplingParams
-from backend.llm_engine import LLMEngine
+from tritonllm import kernels
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.sampler import Sampler
+from tritonllm.engine.core.sequence import SampledToken, Sequence
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.engine.llm_engine import LLMEngine
 from engine_helpers import EXACT, generate
 from tiny_models import TOKENIZER_FILES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import lora_delta_reference, lora_delta_triton
+from tritonllm.kernels.lora import lora_delta_reference, lora_delta_triton
 from kernel_cases import DEVICE, DTYPES, TOLERANCES
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE
-from kernels.sampling import (apply_logit_bias_reference, apply_logit_bias_triton, apply_penalties_reference,
+from tritonllm.kernels.sampling import (apply_logit_bias_reference, apply_logit_bias_triton, apply_penalties_reference,
                               apply_penalties_triton, apply_token_bitmask_reference, apply_token_bitmask_triton,
                               filter_probs_reference, filter_probs_triton)
 

@@ -1,1 +1,0 @@
-"""The serving engine: scheduler → model runner → sampler → output processor, driven by `LLMEngine.step()`."""

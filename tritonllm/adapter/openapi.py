@@ -1,0 +1,84 @@
+"""The OpenAPI description of routes whose bodies FastAPI does not parse itself.
+
+/v1/completions and /v1/chat/completions read their bodies by hand (so malformed bodies get OpenAI-format 400s),
+which would leave the request body out of the generated schema; here it is put back, with every response the
+route can give.
+"""
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from pydantic import BaseModel
+
+from tritonllm.adapter.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+
+_COMPONENT_REF = "#/components/schemas/{model}"
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: malformed JSON, a bad parameter value, or a limit exceeded (`param` names it)",
+    401: "Missing or incorrect API key (only when the server has one)",
+    404: "Unknown model (or adapter)",
+    413: "Request body too large",
+    503: "Triton or the model is unavailable, or the engine is overloaded (see Retry-After)",
+    504: "Triton did not finish the request in time",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` entries for the given error statuses, all with the OpenAI error body."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+def generation_route_docs(
+    request_model: type[BaseModel], response_model: type[BaseModel], chunk_model: type[BaseModel], with_auth: bool
+) -> dict[str, Any]:
+    """Keyword arguments for a completions or chat route decorator: its request body and responses."""
+    request_schema = request_model.model_json_schema(ref_template=_COMPONENT_REF)
+    request_schema.pop("$defs", None)  # nested models go into components (install_request_components)
+    errors = (400, 401, 404, 413, 503, 504) if with_auth else (400, 404, 413, 503, 504)
+    return {
+        "openapi_extra": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}}
+        },
+        "responses": {
+            200: {
+                "model": response_model,
+                "description": "The completion, or with `stream: true` its chunks as server-sent events "
+                f"(`data: <{chunk_model.__name__} JSON>` each, then `data: [DONE]`)",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **error_responses(*errors),
+        },
+    }
+
+
+def lora_route_docs(request_model: type[BaseModel], with_auth: bool) -> dict[str, Any]:
+    """Keyword arguments for a runtime LoRA route decorator (flat bodies, vLLM's plain-text answer)."""
+    return {
+        "openapi_extra": {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": request_model.model_json_schema()}}}},
+        "responses": {
+            200: {"description": "vLLM's `Success: ...` line",
+                  "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **error_responses(*((400, 401, 404, 503) if with_auth else (400, 404, 503))),
+        },
+    }
+
+
+def install_request_components(app: FastAPI) -> None:
+    """Add the request models' nested schemas, which `generation_route_docs` refers to, to the components."""
+    nested = {
+        name: schema
+        for model in (CompletionRequest, ChatCompletionRequest)
+        for name, schema in model.model_json_schema(ref_template=_COMPONENT_REF).get("$defs", {}).items()
+    }
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()  # caches itself in app.openapi_schema, which this updates in place
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(nested)
+        return app.openapi_schema
+
+    app.openapi = openapi

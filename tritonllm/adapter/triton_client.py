@@ -1,0 +1,349 @@
+"""The adapter's connection to Triton: one gRPC stream per generation request to the decoupled model.
+
+Decoupled models cannot answer unary infer calls, so every request goes through `stream_infer`. Each stream
+carries exactly one request: after it is written, our request iterator ends, which half-closes the stream,
+and Triton closes the stream once that request has sent its last response. The end of the stream is
+therefore the end of the request. (The aio client cannot ask for Triton's empty final response: it rejects
+the reserved `triton_enable_empty_final_response` request parameter.)
+
+A call that goes `idle_timeout_s` without a response fails with 504: a generation may take as long as it keeps
+producing (a deadline on the whole request is the HTTP layer's: tritonllm/adapter/deadlines.py).
+"""
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
+from tritonclient.grpc.aio import InferenceServerClient
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, triton_to_np_dtype
+
+from tritonllm.interface.errors import decode
+from tritonllm.interface.tensors import RUNNING
+from tritonllm.adapter.errors import AdapterError, from_kind, gateway_timeout, internal_error, service_unavailable
+from tritonllm.adapter.settings import AdapterSettings
+
+_CHANNEL_ARGS = [
+    # Non-streamed outputs with logprobs can pass gRPC's default 4 MiB limit.
+    ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+    # A short reconnect backoff lets /health turn ready soon after tritonserver (re)starts,
+    # instead of after gRPC's default backoff of up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+_ALWAYS_RETURNED = (
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_num_cached_tokens",
+    "return_matched_stop",
+)
+
+# Triton's own answer while the model is missing or still loading.
+_MODEL_NOT_AVAILABLE = re.compile(r"unknown model", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """What one response says about one of the request's `n` choices."""
+
+    text: str
+    """New text when streaming, the whole text otherwise (never including the prompt)."""
+    finish_reason: str | None
+    """None while the choice is still running."""
+    logprobs: list[dict]
+    """Engine entries of the new tokens (see logprobs.py); empty unless logprobs were requested."""
+    num_output_tokens: int | None
+    """Tokens this response carries (all of them when not streaming)."""
+    matched_stop: str | int | None
+    """The stop string (or stop_regex pattern) or stop token id that finished the choice; None until then."""
+    hidden_states: list[list[float]] = field(default_factory=list)
+    """Final hidden states of the new tokens; empty unless return_hidden_states was requested."""
+    routed_experts: list[list[list[int]]] = field(default_factory=list)
+    """[MoE layers][top_k] expert ids of each new token; empty unless return_routed_experts was requested."""
+    token_ids: list[int] = field(default_factory=list)
+    """The new tokens' ids; empty unless return_token_ids was requested."""
+    tool_calls: list[dict] = field(default_factory=list)
+    """With tools: OpenAI's tool calls (streaming: their deltas), parsed by the engine."""
+
+
+@dataclass(frozen=True)
+class TritonChunk:
+    """One response of the model."""
+
+    choices: list[ChoiceOutput]
+    num_input_tokens: int | None
+    num_cached_tokens: int | None
+    prompt_logprobs: list[dict] | None
+    """Engine entries of every prompt token (the first with null logprob and rank), in one response only, when
+    requested."""
+    prompt_hidden_states: list[list[float]] | None = None
+    """Final hidden states of every prompt token, in one response only, when requested (echo)."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids, in the first response only, when requested."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request to the `llm` model: a prompt and what goes with it."""
+
+    prompt: str | list[int] | list[dict]
+    """A text, token ids, or chat messages (the engine applies the model's chat template)."""
+    sampling_parameters: dict
+    stream: bool
+    return_logprobs: bool = False
+    return_token_ids: bool = False
+    """The new tokens' ids per choice, and the prompt's once."""
+    prompt_options: dict[str, bool | str] = field(default_factory=dict)
+    """PROMPT_OPTIONS and TOOL_INPUTS inputs (tritonllm/interface/tensors.py) by name, a bool for a BOOL input, a
+    string for a STRING one; an absent one keeps the engine's default."""
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """The answer to a tokenize_only request: a prompt as the engine sees it."""
+
+    token_ids: list[int]
+    token_strs: list[str]
+    text: str
+    max_model_len: int
+
+
+class TritonClient:
+    """Owns the gRPC channel to tritonserver."""
+
+    def __init__(self, settings: AdapterSettings) -> None:
+        self._settings = settings
+        self._client = InferenceServerClient(settings.triton_url, channel_args=_CHANNEL_ARGS)
+        self._refusal: AdapterError | None = None  # set by cancel_all: what every call gets from then on
+        self._waiting: set[asyncio.Task] = set()  # the tasks waiting for a response now
+        self._refused: set[asyncio.Task] = set()  # those of them cancel_all cancelled
+
+    def cancel_all(self, error: AdapterError) -> None:
+        """Fail every call in flight, and every later one, with `error` (their Triton requests are cancelled)."""
+        self._refusal = error
+        for task in self._waiting - self._refused:
+            self._refused.add(task)
+            task.cancel()
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def is_ready(self) -> bool:
+        """Whether tritonserver and the model are ready; False on any failure or after health_timeout_s."""
+        timeout = self._settings.health_timeout_s
+
+        async def check() -> bool:
+            return await self._client.is_server_ready(client_timeout=timeout) and await self._client.is_model_ready(
+                self._settings.triton_model, client_timeout=timeout
+            )
+
+        try:
+            return await asyncio.wait_for(check(), timeout)
+        except Exception:
+            return False
+
+    async def model_path(self) -> str | None:
+        """The engine's model directory (its config.pbtxt `model_path`); None when Triton does not answer within
+        health_timeout_s."""
+        timeout = self._settings.health_timeout_s
+        try:
+            config = await asyncio.wait_for(self._client.get_model_config(
+                self._settings.triton_model, as_json=True, client_timeout=timeout), timeout)
+            return config["config"]["parameters"]["model_path"]["string_value"]
+        except (InferenceServerException, TimeoutError):
+            return None
+
+    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[TritonChunk]:
+        """Run one generation request, yielding each of the model's responses.
+
+        Raises AdapterError on an error response, a failed call, idle_timeout_s without a response, or after
+        cancel_all. Closing the generator early cancels the request in Triton.
+        """
+        async with aclosing(self._stream(_request_inputs(request), request_id)) as results:
+            async for result in results:
+                yield _parse_response(result)
+
+    async def tokenize(self, prompt: str | list[int] | list[dict], prompt_options: dict[str, bool | str],
+                       request_id: str, sampling_parameters: dict | None = None) -> TokenizedPrompt:
+        """The prompt's tokens (or a token-id prompt's text), from the engine's tokenizer; nothing is generated.
+        The engine still checks `sampling_parameters` (reading the files of its `lora_path`)."""
+        inputs = [*_prompt_inputs(prompt, prompt_options), _tensor("tokenize_only", np.array([True]), "BOOL")]
+        if sampling_parameters is not None:
+            inputs.append(_tensor("sampling_parameters", _bytes_array(json.dumps(sampling_parameters)), "BYTES"))
+        async with aclosing(self._stream(inputs, request_id)) as results:
+            async for result in results:
+                outputs = _Outputs(result)
+                return TokenizedPrompt(token_ids=outputs.ints("prompt_token_ids"),
+                                       token_strs=outputs.strings("prompt_token_strs"),
+                                       text=outputs.strings("text_output")[0],
+                                       max_model_len=outputs.ints("max_model_len")[0])
+        raise internal_error("Triton answered a tokenize_only request with no response.")
+
+    async def _stream(self, inputs: list[InferInput], request_id: str) -> AsyncIterator[InferResult]:
+        """The responses of one request to the model, each as it arrives."""
+        if self._refusal is not None:
+            raise self._refusal
+        request = {"model_name": self._settings.triton_model, "inputs": inputs, "request_id": request_id}
+
+        async def requests() -> AsyncIterator[dict]:
+            yield request
+
+        responses = self._client.stream_infer(requests())
+        try:
+            while (response := await self._next_response(responses)) is not None:
+                result, error = response
+                if error is not None:
+                    raise _error_from_message(error.message())
+                yield result
+        except grpc.aio.AioRpcError as error:
+            raise self._error_from_rpc(error) from None
+        finally:
+            # A cancelled read already cancels the call inside grpc, but a generator closed while suspended
+            # at `yield` (consumer gone between responses) does not: cancel explicitly so Triton's
+            # request.is_cancelled() turns true. It is a no-op when the stream has already ended.
+            responses.cancel()
+
+    async def _next_response(self, responses) -> tuple | None:
+        """The call's next (result, error); None once it has ended. Raises the idle timeout's 504, or cancel_all's
+        error. Either cancels the read, which cancels the gRPC call. (It waits in the caller's task, under a
+        timeout: a task per response cost the adapter as much as parsing the response.)"""
+        if self._refusal is not None:
+            raise self._refusal
+        waiting = asyncio.current_task()
+        self._waiting.add(waiting)
+        try:
+            async with asyncio.timeout(self._settings.idle_timeout_s):
+                return await anext(responses)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise gateway_timeout(f"Triton sent nothing for {self._settings.idle_timeout_s} s (the idle timeout: "
+                                  "no token for that long).") from None
+        except asyncio.CancelledError:
+            if waiting not in self._refused or waiting.uncancel() > 0:  # (also) cancelled by someone else
+                raise
+            raise self._refusal from None
+        finally:
+            self._waiting.discard(waiting)
+            self._refused.discard(waiting)
+
+    def _error_from_rpc(self, error: grpc.aio.AioRpcError) -> AdapterError:
+        code = error.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return service_unavailable(f"Triton at {self._settings.triton_url} is unavailable: {error.details()}")
+        return internal_error(f"Triton call failed ({code.name}): {error.details()}")
+
+
+def _prompt_inputs(prompt: str | list[int] | list[dict], prompt_options: dict[str, bool | str]) -> list[InferInput]:
+    if isinstance(prompt, str):
+        inputs = [_tensor("text_input", _bytes_array(prompt), "BYTES")]
+    elif isinstance(prompt[0], dict):  # chat messages: the engine applies the model's chat template
+        inputs = [_tensor("messages", _bytes_array(json.dumps(prompt)), "BYTES")]
+    else:
+        inputs = [_tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32")]
+    inputs.extend(_tensor(name, np.array([value]), "BOOL") if isinstance(value, bool) else
+                  _tensor(name, _bytes_array(value), "BYTES") for name, value in prompt_options.items())
+    return inputs
+
+
+def _request_inputs(request: GenerateRequest) -> list[InferInput]:
+    inputs = _prompt_inputs(request.prompt, request.prompt_options)
+    inputs.append(_tensor("stream", np.array([request.stream]), "BOOL"))
+    inputs.append(_tensor("sampling_parameters", _bytes_array(json.dumps(request.sampling_parameters)), "BYTES"))
+    # The adapter adds echoed prompt text itself, so Triton never returns the prompt.
+    inputs.append(_tensor("exclude_input_in_output", np.array([True]), "BOOL"))
+    flags = _ALWAYS_RETURNED + (("return_logprobs",) if request.return_logprobs else ()) + (
+        ("return_token_ids", "return_prompt_token_ids") if request.return_token_ids else ())
+    inputs.extend(_tensor(flag, np.array([True]), "BOOL") for flag in flags)
+    return inputs
+
+
+def _tensor(name: str, array: np.ndarray, datatype: str) -> InferInput:
+    tensor = InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _bytes_array(text: str) -> np.ndarray:
+    return np.array([text.encode()], dtype=np.object_)
+
+
+def _parse_response(response: InferResult) -> TritonChunk:
+    result = _Outputs(response)
+    texts = result.strings("text_output")
+    count = len(texts)
+    finish_reasons = result.strings("finish_reason") or [RUNNING] * count
+    logprobs = [json.loads(entries) or [] for entries in result.strings("logprobs")] or [[]] * count
+    num_output_tokens = result.ints("num_output_tokens") or [None] * count
+    matched_stops = [json.loads(value) for value in result.strings("matched_stop")] or [None] * count
+    num_input_tokens = result.ints("num_input_tokens")
+    num_cached_tokens = result.ints("num_cached_tokens")
+    prompt_logprobs = result.strings("prompt_logprobs")
+    hidden_states = [json.loads(rows) for rows in result.strings("hidden_states")] or [[]] * count
+    prompt_hidden_states = result.strings("prompt_hidden_states")
+    routed_experts = [json.loads(rows) for rows in result.strings("routed_experts")] or [[]] * count
+    token_ids = [json.loads(ids) for ids in result.strings("token_ids")] or [[]] * count
+    tool_calls = [json.loads(calls) for calls in result.strings("tool_calls")] or [[]] * count
+    prompt_token_ids = result.ints("prompt_token_ids") if "prompt_token_ids" in result else None
+    return TritonChunk(
+        choices=[
+            ChoiceOutput(text, None if finish_reason == RUNNING else finish_reason, entries, tokens, matched_stop,
+                         hidden, routed, ids, calls)
+            for text, finish_reason, entries, tokens, matched_stop, hidden, routed, ids, calls in zip(
+                texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states, routed_experts,
+                token_ids, tool_calls
+            )
+        ],
+        num_input_tokens=num_input_tokens[0] if num_input_tokens else None,
+        num_cached_tokens=num_cached_tokens[0] if num_cached_tokens else None,
+        prompt_logprobs=json.loads(prompt_logprobs[0]) if prompt_logprobs else None,
+        prompt_hidden_states=json.loads(prompt_hidden_states[0]) if prompt_hidden_states else None,
+        prompt_token_ids=prompt_token_ids,
+    )
+
+
+class _Outputs:
+    """A response's outputs by name, each decoded once from its raw bytes (tritonclient's as_numpy looks an output up
+    by scanning them all and builds an array: it cost half of a streamed token's parse)."""
+
+    def __init__(self, result: InferResult):
+        response = result.get_response()
+        contents = response.raw_output_contents
+        self._values = {output.name: _decode(output.datatype, contents[index])
+                        for index, output in enumerate(response.outputs)}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values
+
+    def strings(self, name: str) -> list[str]:
+        """The output's elements, UTF-8 decoded; empty when the response has no such output."""
+        return [item.decode() for item in self._values.get(name, ())]
+
+    def ints(self, name: str) -> list[int]:
+        return list(self._values.get(name, ()))
+
+
+def _decode(datatype: str, raw: bytes) -> list:
+    """Triton's raw tensor bytes → its elements (bytes objects for BYTES), by tritonclient's own decoders."""
+    if datatype == "BYTES":
+        return deserialize_bytes_tensor(raw).tolist()
+    return np.frombuffer(raw, dtype=triton_to_np_dtype(datatype)).tolist()
+
+
+def _error_from_message(message: str) -> AdapterError:
+    """Map an error response to the client's error: by the kind the backend encoded (tritonllm/interface/errors.py),
+    else by Triton's own wording."""
+    decoded = decode(message)
+    if decoded is None:
+        if _MODEL_NOT_AVAILABLE.search(message):
+            return service_unavailable(f"The model is not available in Triton: {message}")
+        return internal_error(f"Triton error: {message}")
+    return from_kind(decoded.kind, decoded.message, decoded.param)

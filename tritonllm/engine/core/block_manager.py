@@ -1,0 +1,121 @@
+"""The paged KV block pool: allocation, reference counts and the automatic prefix cache.
+
+A full block is keyed by a hash chain (parent block's key + its own tokens), so equal keys mean equal prefixes.
+The chain of a sequence run with a LoRA adapter or a cache_salt starts from them: adapters never share KV, and
+requests share prefixes only with requests of the same salt.
+Freed blocks that hold a cached prefix stay findable until they are reused (LRU order)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tritonllm.engine.core.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.key_to_block: dict[int, int] = {}
+        # free blocks, least recently used first: reuse takes from the front
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # prompt tokens found there
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_key(self, parent_key: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent_key, tokens))
+
+    def _root_key(self, seq: Sequence) -> int | None:
+        """The parent key of a sequence's first block: None for the base model without a salt, else from its
+        adapter and salt."""
+        salt = seq.prefix_cache_salt
+        return None if salt is None else hash(("salt", salt))
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        key = self.block_keys[block]
+        if key is not None:  # evict its cached prefix
+            del self.key_to_block[key]
+            self.block_keys[block] = None
+            self.block_tokens[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _reuse(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """Give a new sequence the cached blocks of its longest cached prefix; returns the tokens they hold.
+
+        The last token is always left to compute, since its logits are needed to sample."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        parent_key = self._root_key(seq)
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = self._block_key(parent_key, tokens)
+            block = self.key_to_block.get(key)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            self._reuse(block)
+            seq.block_table.append(block)
+            seq.full_block_keys.append(key)
+            parent_key = key
+        cached = len(seq.block_table) * self.block_size
+        self.prefix_queries += seq.num_prompt_tokens
+        self.prefix_hits += min(cached, seq.num_prompt_tokens)
+        return cached
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the block table to hold num_tokens; False (and no change) when the pool is too small."""
+        missing = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if missing > len(self.free_blocks):
+            return False
+        seq.block_table.extend(self._take_free_block() for _ in range(missing))
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(len(seq.full_block_keys), seq.num_computed_tokens // self.block_size):
+            parent_key = seq.full_block_keys[-1] if seq.full_block_keys else self._root_key(seq)
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = self._block_key(parent_key, tokens)
+            block = seq.block_table[i]
+            if key not in self.key_to_block:
+                self.key_to_block[key] = block
+                self.block_keys[block] = key
+                self.block_tokens[block] = tokens
+            seq.full_block_keys.append(key)
+
+    def free(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                if self.block_keys[block] is None:  # nothing worth keeping: reuse it first
+                    self.free_blocks.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.full_block_keys = []
+        seq.num_computed_tokens = 0
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

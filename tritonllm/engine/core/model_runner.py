@@ -1,0 +1,219 @@
+"""Owns the model weights and the paged KV cache; turns a scheduled batch into one forward pass: the inputs
+are written into persistent buffers (engine/input_batch.py), the model runs on views of them, and the rows
+that matter (sampling positions, prompt chunks asked for) come back as logits and hidden states."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.input_batch import InputBuffers, StepInputs
+from tritonllm.engine.core.lora_slots import LoraSlotPool
+from tritonllm.engine.core.scheduler import ScheduledSequence
+from tritonllm.engine.core.sequence import Sequence
+from tritonllm.engine.layers.attention import AttentionMetadata
+from tritonllm.engine.layers.linear import Choice, candidates, choose_format, fastest_run
+from tritonllm.model_files import cpu_ops_dir
+from tritonllm.engine.layers.lora import LayerLora
+from tritonllm.engine.models import registry
+from tritonllm.engine.models.llama import LlamaForCausalLM
+from tritonllm.engine.models.weights import read_q4_1_blocks
+from tritonllm.kernels import cpu as cpu_ops
+from tritonllm.kernels.decode_attention import DecodeWorkspace
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class PromptLogits:
+    seq: Sequence
+    start: int  # prompt position of the first row
+    logits: torch.Tensor  # [positions, vocab]: row i predicts the token at start + i + 1
+
+
+@dataclass
+class PromptHiddenStates:
+    seq: Sequence
+    start: int  # prompt position of the first row
+    hidden: torch.Tensor  # [positions, hidden] after the final norm, float32 on the CPU
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [samples, vocab] float32: the last-token logits of the sequences that sample
+    sample_seqs: list[Sequence]
+    prompt_logits: list[PromptLogits]
+    # [samples, hidden] float32 on the CPU, the rows the logits came from; None when no sampling sequence asks
+    sample_hidden: torch.Tensor | None
+    prompt_hidden: list[PromptHiddenStates]
+    # [samples, MoE layers, top_k] int64 on the CPU: the experts the sampled rows were routed to; None when no
+    # sampling sequence asks (or the model is dense)
+    sample_routed_experts: torch.Tensor | None = None
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The activation dtype asked for; None on the CPU with auto: the weight format decides."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} (choose from auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> tuple[LlamaForCausalLM, str]:
+    """The model with its projections in the configured weight format (on the CPU, auto: the fastest exact or
+    near-exact one, measured); returns it with a description of the format."""
+    dtype = resolve_dtype(config.dtype, device)
+    if device.type != "cpu":
+        if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
+            raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
+        return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
+    cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
+    model = registry.from_pretrained(model_dir, torch.float32, device)
+    q4 = read_q4_1_blocks(model_dir, model.arch)
+    options = candidates(config.weight_format, dtype, has_q4=q4 is not None)
+
+    def in_format(model: LlamaForCausalLM, choice: Choice) -> LlamaForCausalLM:
+        model.use_weight_format(choice, q4)
+        return model.to(choice.dtype)
+
+    layers = _probe_layers(model)
+    if len(options) > 1 and layers < model.arch.num_layers:
+        log.info("weight formats timed on the model's first %d layers (a whole copy would not fit in the "
+                 "memory available)", layers)
+    choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
+    return in_format(model, choice), choice.describe()
+
+
+def _probe_layers(model: LlamaForCausalLM) -> int:
+    """How many of the model's layers a copy to time the formats on may hold: all of them (the real step) when
+    that copy takes under half the memory available, else fewer."""
+    available = _memory_available()
+    if available is None:
+        return model.arch.num_layers
+    layer = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    rest = sum(p.numel() * p.element_size() for p in model.parameters()) - layer * len(model.layers)
+    return max(1, min(model.arch.num_layers, int((available / 2 - rest) // layer)))
+
+
+def _memory_available() -> int | None:
+    """Bytes of memory available (the kernel's estimate), None where unknown."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        return int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _copy(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
+    """A copy of the model with its first `layers` layers."""
+    every_layer = model.layers
+    model.layers = nn.ModuleList(list(every_layer)[:layers])
+    try:
+        return copy.deepcopy(model)
+    finally:
+        model.layers = every_layer
+
+
+def _decode_step_seconds(model: LlamaForCausalLM) -> float:
+    """The fastest decode steps of 1 and 16 tokens (one cached token each) through the model and its LM head."""
+    arch, dtype, total, block_size = model.arch, model.embed_tokens.weight.dtype, 0.0, 16
+    with torch.inference_mode():
+        for tokens in (1, 16):  # a block each
+            shape = (tokens, block_size, arch.num_kv_heads, arch.head_dim)
+            caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in model.layers]
+            meta = AttentionMetadata(torch.arange(tokens) * block_size, tokens, torch.arange(tokens)[:, None],
+                                     torch.ones(tokens, dtype=torch.int32))
+            token_ids, positions = torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long)
+            total += fastest_run(lambda: model.compute_logits(model(token_ids, positions, meta, caches)[0]))
+    return total
+
+
+def kv_cache_dtype(requested: str, activations: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the activations' (auto), or float16 for the CPU ops' attention, which reads it with
+    float32 activations (the GPU kernels and the bfloat16 path read the activations' dtype only)."""
+    if requested == "auto":
+        return activations
+    if device.type != "cpu" or activations != torch.float32:
+        raise ValueError(f"kv_cache_dtype={requested} is for the CPU engine with float32 activations (this engine: "
+                         f"{device.type}, {str(activations).removeprefix('torch.')}); leave it auto")
+    return torch.float16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path):
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # kernels launch on the current device: make it this engine's GPU
+        self.block_size = config.block_size
+        self.model, self.weight_format = load_model(config, model_dir, self.device)
+        self.dtype = self.model.embed_tokens.weight.dtype
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        arch = self.model.arch
+        block_shape = (self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.bytes_per_block = (2 * arch.num_layers * self.block_size * arch.num_kv_heads * arch.head_dim
+                                * self.kv_dtype.itemsize)
+        self.num_blocks = config.kv_cache_memory // self.bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block "
+                             f"({self.bytes_per_block} bytes)")
+        self.kv_caches = [
+            (torch.zeros(self.num_blocks, *block_shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(self.num_blocks, *block_shape, dtype=self.kv_dtype, device=self.device))
+            for _ in range(arch.num_layers)
+        ]
+        log.info("model on %s, weights %s; KV cache: %d blocks of %d tokens (%.0f MiB, %s)", self.device,
+                 self.weight_format, self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20,
+                 self.kv_dtype)
+        if config.lora_dir and arch.is_moe:
+            raise ValueError("LoRA adapters are supported on dense models only; this model has experts "
+                             "(leave lora_dir empty)")
+        self.lora_slots = (LoraSlotPool(arch, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+                           if config.lora_dir else None)
+        self.max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
+        workspace = (DecodeWorkspace.allocate(config.max_num_seqs, arch.num_heads, arch.head_dim, self.device)
+                     if self.device.type == "cuda" else None)
+        longest = min(self.max_model_len, self.num_blocks * self.block_size)  # no sequence holds more tokens
+        self.inputs = InputBuffers(config.max_num_batched_tokens, config.max_num_seqs,
+                                   -(-longest // self.block_size), self.block_size, self.device, workspace)
+
+    def execute(self, scheduled: list[ScheduledSequence]) -> StepOutput:
+        """Run one step: logits (and, when asked for, final hidden states) of the positions that sample, and of
+        every position of prompt chunks whose prompt logprobs (hidden states) were asked for."""
+        inputs = self.inputs.prepare(scheduled)
+        hidden, routed = self.model(inputs.input_ids, inputs.positions, inputs.attention, self.kv_caches,
+                                    self._lora(inputs), inputs.record_routing)
+        return self._outputs(inputs, hidden, routed)
+
+    def _lora(self, inputs: StepInputs) -> list[LayerLora] | None:
+        """Each layer's adapters for the batch; None skips the LoRA matmuls (a base-only batch)."""
+        if not inputs.active_lora_slots:
+            return None
+        return self.lora_slots.for_layers(inputs.token_lora_slots, inputs.active_lora_slots)
+
+    def _outputs(self, inputs: StepInputs, hidden: torch.Tensor, routed: torch.Tensor | None) -> StepOutput:
+        prompt_logits = [PromptLogits(chunk.seq, chunk.start, self.model.compute_logits(hidden[chunk.rows]))
+                         for chunk in inputs.prompt_logprob_rows]
+        prompt_hidden = [PromptHiddenStates(chunk.seq, chunk.start,
+                                            self.model.final_norm(hidden[chunk.rows]).float().cpu())
+                         for chunk in inputs.prompt_hidden_rows]
+        if not inputs.sample_seqs:
+            return StepOutput(torch.empty(0, self.model.arch.vocab_size), [], prompt_logits, None, prompt_hidden)
+        normed = self.model.final_norm(hidden.index_select(0, inputs.sample_rows))
+        return StepOutput(self.model.logits_of_normed(normed), inputs.sample_seqs, prompt_logits,
+                          normed.float().cpu() if inputs.wants_hidden else None, prompt_hidden,
+                          None if routed is None else routed.index_select(0, inputs.sample_rows).cpu())

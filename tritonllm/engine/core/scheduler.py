@@ -1,0 +1,182 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Every step has a token budget. Running sequences go first (a decode needs one token, an unfinished prefill
+takes the next chunk), then waiting sequences are admitted FCFS while budget, sequence slots and KV blocks
+last. A long prompt is therefore split into chunks and never stalls running decodes for more than one chunk.
+When blocks run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later
+(its generated tokens are kept, and the prefix cache usually makes the recompute cheap).
+A sequence with a LoRA adapter is admitted only once its adapter holds a slot of the LoRA pool; until a slot
+frees up it waits (FCFS: the requests behind it wait too).
+
+Under the `priority` policy (vLLM's) both queues are ordered by rank, (priority, arrival): lower priority values
+first, equal priorities first come, first served. Admission takes the best-ranked waiting sequence, and when it
+lacks a sequence slot or KV blocks, running sequences of a strictly worse priority are preempted for it (the
+worst-ranked first, by recompute as above) instead of it waiting; the victim that needs blocks is likewise the
+worst-ranked running sequence. A preempted sequence keeps its rank, so it resumes ahead of later arrivals of its
+priority. Waiting for a LoRA slot preempts nothing."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from tritonllm.engine.core.block_manager import BlockManager
+from tritonllm.engine.core.lora_slots import LoraSlotPool
+from tritonllm.engine.core.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """After this step the sequence has computed all its tokens, so the next one is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 lora_slots: LoraSlotPool | None = None, policy: str = "fcfs"):
+        self.block_manager = block_manager
+        self.by_priority = policy == "priority"
+        self.lora_slots = lora_slots
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(self.waiting, seq, front=False)
+
+    def _enqueue(self, queue: deque[Sequence] | list[Sequence], seq: Sequence, front: bool) -> None:
+        """Under priority, by rank (after the equal ranks: FCFS among them); else at the front or the back."""
+        if self.by_priority:
+            bisect.insort(queue, seq, key=_rank)
+        elif front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_running_requests(self) -> int:
+        return len({id(seq.request) for seq in self.running})
+
+    def num_waiting_requests(self) -> int:
+        """Requests none of whose sequences runs (a request counts once, whatever its n; one with a sequence
+        running is running, even while another of its sequences waits after a preemption)."""
+        running = {id(seq.request) for seq in self.running}
+        return len({id(seq.request) for seq in self.waiting} - running)
+
+    def schedule(self) -> list[ScheduledSequence]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim, "to free KV blocks")
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+                index += 1
+
+        # Admitting new work right after a preemption would just thrash.
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                given_back = self._preempt_worse_priority(seq, scheduled)
+                if given_back is None:
+                    break
+                budget += given_back
+                continue
+            if not self._hold_lora_slot(seq):
+                break
+            if not seq.block_table:
+                cached = self.block_manager.allocate_cached_prefix(seq)
+                seq.num_computed_tokens = cached
+                if seq.num_output_tokens == 0:
+                    seq.num_cached_tokens = cached
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                self.block_manager.free(seq)  # don't pin cached blocks (or an adapter slot) while waiting
+                self._release_lora_slot(seq)
+                given_back = self._preempt_worse_priority(seq, scheduled)
+                if given_back is None:
+                    break
+                budget += given_back
+                continue  # again, with the victim's blocks free
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._enqueue(self.running, seq, front=False)
+            scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _preempt_worse_priority(self, seq: Sequence, scheduled: list[ScheduledSequence]) -> int | None:
+        """Under priority, preempt the worst-ranked running sequence for `seq` if its priority is strictly worse;
+        returns the tokens of this step's budget it held (None: no such sequence, `seq` waits)."""
+        if not self.by_priority or not self.running or \
+                self.running[-1].params.priority <= seq.params.priority:
+            return None
+        victim = self.running.pop()
+        self._preempt(victim, f"for a request of priority {seq.params.priority}")
+        for index, item in enumerate(scheduled):
+            if item.seq is victim:  # scheduled earlier in this step: its tokens go back to the budget
+                del scheduled[index]
+                return item.num_new_tokens
+        return 0
+
+    def _preempt(self, seq: Sequence, why: str) -> None:
+        log.info("preempting a sequence of request %s (%d tokens) %s", seq.request.request_id, seq.num_tokens, why)
+        self.num_preemptions += 1
+        self.block_manager.free(seq)
+        self._release_lora_slot(seq)
+        seq.status = SequenceStatus.WAITING
+        self._enqueue(self.waiting, seq, front=True)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        self._release_lora_slot(seq)
+
+    def _hold_lora_slot(self, seq: Sequence) -> bool:
+        """Give the sequence its adapter's slot (loading it if needed); False when no slot can be had now."""
+        if seq.request.lora is None or seq.lora_slot >= 0:
+            return True
+        slot = self.lora_slots.acquire(seq.request.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_lora_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Lower runs first: the request's priority, then its arrival."""
+    return seq.params.priority, seq.request.arrival

@@ -1,0 +1,324 @@
+"""The model's projections and LM head in a weight format, and choosing the format by measurement.
+
+On a CPU the matmuls are most of a step, and which format is fastest depends on the machine: fp32 through
+oneDNN (prepacked) beats MKL's small-batch sgemm on some CPUs; fbgemm's fp16-weight kernels halve the bytes
+read on any AVX2 CPU; the CPU ops' int4 kernel (tritonllm/kernels/cpu) reads the checkpoint's own Q4_1 blocks, a third of
+fp16's bytes, and dequantizes them in registers (memory-bound one token at a time with AVX-512, compute-bound
+with AVX2 only); bf16 weights and activations, and torch's int4 weight-only kernel, are fast only on CPUs with
+bf16 hardware (AVX512-BF16, AMX) and much slower without it. `choose_format` times the candidates on the
+model itself at load (decode steps in each format) and keeps the fastest one that is exact or near-exact for the
+checkpoint:
+
+| format | weights | activations | numerics | auto may pick it |
+|---|---|---|---|---|
+| float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
+| float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
+| int4 | the checkpoint's own Q4_1 blocks (scale d, zero m per 32 weights): the CPU ops' kernel with fp32 activations, torch's with bf16 | fp32 (auto), or bf16 | fp32: exactly the shipped 4-bit weights; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4-q8 | the same Q4_1 blocks, repacked in groups of 16 rows for the CPU ops' integer kernel | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
+| bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
+| int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
+
+auto considers only what keeps float32's greedy output on the accuracy test set (tests/test_weight_formats.py).
+With int4 the LM head (the tied embedding, a Q8_0 tensor in the GGUF) runs as its Q8_0 blocks through the CPU
+ops (exact: found by re-blocking the weight and checking it comes back to the bit), else as float16 (fp32
+activations) or bf16 (bf16 activations); int4-q8 runs that Q8_0 head with int8 activations too; with float16 and
+int8 it is in the same format as the projections. Every format computes each token's row on its own (per-token
+quantization, no batch-wide scales), so a request's output does not depend on what it is batched with."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tritonllm.engine.config import WEIGHT_FORMATS
+from tritonllm.kernels import cpu as cpu_ops
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP = 32  # Q4_1's block size, and the int4 kernel's group
+Q4_FORMATS = ("int4", "int4-q8")  # the formats that serve a checkpoint's own Q4_1 blocks
+FBGEMM_ROW_GROUP = 4  # float16: every row through the same fbgemm kernel (with 1-2 rows AVX2 sums differently)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether the CPU computes in bf16 natively (otherwise bf16 matmuls are emulated, several times slower)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A projection's weights as Q4_1 blocks along the input dimension: w = d · q + m."""
+
+    q: torch.Tensor  # [out, in] uint8 in 0..15
+    d: torch.Tensor  # [out, in / 32] float16
+    m: torch.Tensor  # [out, in / 32] float16
+
+    @staticmethod
+    def concat(parts: list["Q4Weight"]) -> "Q4Weight":
+        """Fused projections (qkv, gate_up) concatenate their parts' output rows."""
+        return Q4Weight(*(torch.cat([getattr(p, name) for p in parts]) for name in ("q", "d", "m")))
+
+
+class Projection(nn.Module):
+    """y = x @ W.T (+ bias) for one weight format and kernel; replaces an nn.Linear after loading."""
+
+    def __init__(self, bias: torch.Tensor | None):
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in]
+        out = self.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseProjection(Projection):
+    """fp32 or bf16 weights through aten (MKL on the CPU, cuBLAS on CUDA)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class OneDNNProjection(Projection):
+    """fp32 or bf16 weights prepacked into oneDNN's blocked layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.linear = torch.ops.mkldnn._linear_pointwise.default  # the overload, resolved once (not per call)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, None, "none", [], "")
+
+
+class Float16Projection(Projection):
+    """fp16 weights prepacked for fbgemm, fp32 activations and accumulation. The rows go in whole groups of
+    FBGEMM_ROW_GROUP (zeros after the last): fbgemm's AVX2 kernels for a block of one or two rows sum in another order
+    than the others, so a token's row would change with the batch's size."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
+        self.linear = torch.ops.quantized.linear_dynamic_fp16.default
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if padding := -rows % FBGEMM_ROW_GROUP:
+            x = torch.cat([x, x.new_zeros(padding, x.shape[1])])
+        return self.linear(x, self.packed)[:rows]
+
+
+class Int8Projection(Projection):
+    """int8 weights with one scale per output channel; each token's activations quantized to int8 with its own
+    absmax scale; int8 x int8 products summed exactly in int32, then scaled back to fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.weight_t = (weight / scales[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()
+        self.scales = scales.float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        token_scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        quantized = (x / token_scales).round_().to(torch.int8)
+        return torch._int_mm(quantized, self.weight_t).float().mul_(token_scales).mul_(self.scales)
+
+
+class Int4Projection(Projection):
+    """Q4_1 weights in torch's int4 CPU layout: w = (q − 8) · d + (m + 8d) per group of 32 inputs (fast with bf16
+    activations on bf16 hardware)."""
+
+    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__(bias)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 2)
+        d, m = weight.d.float(), weight.m.float()
+        self.scales_and_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_and_zeros)
+
+
+class Q4Projection(Projection):
+    """Q4_1 weights as the checkpoint's blocks: the CPU ops' kernel dequantizes w = d · q + m per block in
+    registers and multiplies in fp32 (6 bits a weight with the scales widened to fp32), or, with int8 activations,
+    sums each block's products of codes in integers over the blocks repacked in groups of rows (q4_q8_matmul; 5
+    bits a weight)."""
+
+    def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, int8_activations: bool):
+        super().__init__(bias)
+        self.rows = weight.q.shape[0]
+        self.int8_activations = int8_activations
+        self.packed = (cpu_ops.pack_q4_rows if int8_activations else cpu_ops.pack_q4)(weight.q, weight.d, weight.m)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations:
+            return cpu_ops.q4_q8_matmul(x, self.packed, self.rows)
+        return cpu_ops.q4_matmul(x, self.packed)
+
+
+class Q8Projection(Projection):
+    """Q8_0 weights as blocks (8.5 bits a weight with their scales): the CPU ops' kernel dequantizes w = d · q per
+    block in registers and multiplies in fp32, or sums codes in integers with int8 activations (over the blocks
+    repacked in groups of rows)."""
+
+    def __init__(self, blocks: torch.Tensor, int8_activations: bool):
+        super().__init__(None)
+        self.rows = blocks.shape[0]
+        self.int8_activations = int8_activations
+        self.packed = cpu_ops.pack_q8_rows(blocks) if int8_activations else blocks
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations:
+            return cpu_ops.q8_q8_matmul(x, self.packed, self.rows)
+        return cpu_ops.q8_matmul(x, self.packed)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A weight format, the activation dtype it runs with, and its kernel."""
+
+    weight_format: str
+    dtype: torch.dtype
+    kernel: str  # aten, onednn, fbgemm (float16), int8, int4 (torch's), cpu_ops (int4 and int4-q8, tritonllm/kernels/cpu)
+
+    @property
+    def q4(self) -> bool:
+        """Whether the projections are the checkpoint's Q4_1 blocks."""
+        return self.weight_format in Q4_FORMATS
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.weight_format == "int4-q8"
+
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Weight | None = None) -> Projection:
+        """A projection of fp32 `weight` (or of its Q4_1 blocks, for int4)."""
+        bias = None if bias is None else bias.to(self.dtype)
+        if self.kernel == "int4":
+            return Int4Projection(q4, bias, self.dtype)
+        if self.kernel == "cpu_ops":
+            return Q4Projection(q4, bias, self.int8_activations)
+        if self.kernel == "int8":
+            return Int8Projection(weight, bias)
+        if self.kernel == "fbgemm":
+            return Float16Projection(weight, bias)
+        weight = weight.to(self.dtype)
+        return OneDNNProjection(weight, bias) if self.kernel == "onednn" else DenseProjection(weight, bias)
+
+    def make_head(self, weight: torch.Tensor) -> Projection:
+        """The LM head: int4 has no Q4_1 blocks for it. With the CPU ops it runs as the checkpoint's Q8_0 blocks
+        where the weight is exactly those (a GGUF's Q8_0 head: half fp16's bytes, and exact); otherwise near-exact:
+        fp16 weights with fp32 activations, bf16 with bf16 activations."""
+        if self.kernel == "cpu_ops" and (packed := cpu_ops.pack_q8_exact(weight)) is not None:
+            return Q8Projection(packed, self.int8_activations)
+        if self.q4 and self.dtype == torch.float32 and _fbgemm_available():
+            return Choice("float16", self.dtype, "fbgemm").make(weight, None)
+        if self.q4:
+            if _onednn_available():
+                try:
+                    return Choice("bfloat16", self.dtype, "onednn").make(weight, None)
+                except RuntimeError:  # oneDNN's bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+                    log.info("oneDNN has no bf16 kernel for this CPU: the LM head runs through aten")
+            return Choice("bfloat16", self.dtype, "aten").make(weight, None)
+        return self.make(weight, None)
+
+    def describe(self) -> str:
+        activations = {"int8": "int8 per token", "int4-q8": "int8 per block of 32"}.get(
+            self.weight_format, str(self.dtype).removeprefix("torch."))
+        return f"{self.weight_format} ({self.kernel} kernel, {activations} activations)"
+
+
+def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[Choice]:
+    """What `requested` may run as on the CPU; `dtype` None lets the format choose the activations.
+
+    auto considers only what keeps float32's greedy output (the table above): fp32 activations with fp32 or fp16
+    weights, or with the checkpoint's own Q4_1 weights. bf16 activations (bfloat16; int4 on bf16 hardware without
+    the CPU ops) change some greedy continuations: they run when asked for, by weight_format or by dtype=bfloat16
+    (then auto times those)."""
+    if requested not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight_format {requested!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+    if requested == "auto":
+        act = dtype or torch.float32
+        formats = (["float32"] + (["float16"] if _fbgemm_available() else []) if act == torch.float32
+                   else ["bfloat16"]) + (["int4"] if has_q4 else [])
+    else:
+        formats = [requested]
+        if requested in Q4_FORMATS and not has_q4:
+            raise ValueError(f"weight_format {requested} serves a checkpoint's Q4_1 weights; this model has none (it "
+                             "was not converted from a Q4_1 GGUF)")
+        if requested == "int4-q8" and not cpu_ops.available():
+            raise ValueError("weight_format int4-q8 runs on the CPU ops, which could not be built here (no C "
+                             "compiler, or TRITONLLM_CPU_OPS=0)")
+        # int4: fp32 through the CPU ops (exact, and faster than torch's bf16 kernel where both run), else bf16
+        # activations where the CPU computes them natively
+        int4_native = torch.float32 if cpu_ops.available() or not cpu_has_bf16() else torch.bfloat16
+        native = {"bfloat16": torch.bfloat16, "int4": int4_native}.get(requested, torch.float32)
+        act = dtype or native
+        if act != native and requested != "int4":  # int4 runs with either
+            raise ValueError(f"weight_format {requested} needs {native} activations, not dtype {dtype}")
+    choices = []
+    for weight_format in formats:
+        if weight_format == "int4-q8" or weight_format == "int4" and act == torch.float32 and cpu_ops.available():
+            kernels = ["cpu_ops"]  # torch's fp32-activation int4 kernel is many times slower
+        elif weight_format in ("int8", "int4"):
+            kernels = [weight_format]
+        elif weight_format == "float16":
+            kernels = ["fbgemm"]
+        else:
+            kernels = ["aten"] + (["onednn"] if _onednn_available() else [])
+        choices += [Choice(weight_format, act, kernel) for kernel in kernels]
+    return choices
+
+
+def choose_format(options: list[Choice], step_seconds: Callable[[Choice], float]) -> Choice:
+    """The option whose model steps fastest (`step_seconds`: decode steps of the whole model in that format, so
+    what a format saves outside the matmuls counts too), logged with the figures. One option is not timed."""
+    if len(options) == 1:
+        return options[0]
+    timings = {}
+    for option in options:
+        try:
+            timings[option] = step_seconds(option)
+        except RuntimeError as error:  # e.g. a oneDNN kernel this CPU lacks
+            log.info("weight format %s unavailable here: %s", option.describe(), error)
+    best = min(timings, key=timings.get)
+    log.info("weight formats timed (decode steps of 1 and 16 tokens): %s → %s",
+             ", ".join(f"{o.describe()} {t * 1e3:.1f} ms" for o, t in timings.items()), best.describe())
+    return best
+
+
+def fastest_run(run: Callable[[], object]) -> float:
+    """Seconds of the fastest of five runs after a warm-up (oneDNN and the int kernels set themselves up on first
+    use): what another process on the cores adds is noise, not cost."""
+    run()
+    timings = []
+    for _ in range(5):
+        started = time.perf_counter()
+        run()
+        timings.append(time.perf_counter() - started)
+    return min(timings)

@@ -1,0 +1,210 @@
+"""Llama: the decoder the other architectures here build on, over a flat batch of tokens with a paged KV cache.
+
+Grouped-query attention with rotary embeddings, a SwiGLU MLP (or, where the architecture says so, a sparse
+mixture of experts), RMSNorm before each, optionally tied embeddings. Projections are fused (qkv, gate_up) at load
+time: fewer, larger matmuls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tritonllm import kernels
+from tritonllm.kernels import cpu as cpu_ops
+from tritonllm.engine.layers.attention import AttentionMetadata, paged_attention
+from tritonllm.engine.layers.linear import Choice, Q4Weight
+from tritonllm.engine.layers.lora import LayerLora
+from tritonllm.engine.layers.moe import SparseMoeMLP
+from tritonllm.engine.layers.norm import RMSNorm
+from tritonllm.engine.layers.rotary import RotaryEmbedding
+from tritonllm.engine.models.architecture import ModelArchitecture
+from tritonllm.engine.models.weights import checkpoint_state
+
+
+class LlamaAttention(nn.Module):
+    PROJECTIONS = ("qkv_proj", "o_proj")  # the nn.Linear attributes that take the weight format
+
+    def __init__(self, arch: ModelArchitecture):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(arch.hidden_size, q_size + 2 * kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=arch.attention_bias)
+        self.scale = arch.head_dim ** -0.5
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(self, rope, hidden, meta, k_cache, v_cache, lora: LayerLora | None):
+        tokens = hidden.shape[0]
+        q, k, v = _project(self.qkv_proj, "qkv_proj", hidden, lora).split(self.split, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        kernels.rotary_embedding(q, k, *rope)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return _project(self.o_proj, "o_proj", out.reshape(tokens, -1), lora)
+
+
+class LlamaMLP(nn.Module):
+    PROJECTIONS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, arch: ModelArchitecture):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor, lora: LayerLora | None) -> tuple[torch.Tensor, None]:
+        """(output, None): a dense MLP routes nowhere (SparseMoeMLP's signature, which returns the expert ids)."""
+        activated = kernels.silu_and_mul(_project(self.gate_up_proj, "gate_up_proj", x, lora))
+        return _project(self.down_proj, "down_proj", activated, lora), None
+
+
+def _project(linear: nn.Linear, name: str, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
+    """linear(x), plus each token's LoRA update when the batch uses adapters."""
+    out = linear(x)
+    return out if lora is None else out + lora.delta(name, x)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchitecture, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = (SparseMoeMLP(arch.hidden_size, arch.moe_intermediate_size, arch.num_experts,
+                                 arch.num_experts_per_tok, arch.norm_topk_prob)
+                    if index in arch.moe_layers else LlamaMLP(arch))
+
+    def forward(self, rope, hidden, residual, meta, k_cache, v_cache, lora):
+        """Returns (this layer's MLP output, the residual stream before it, the expert ids each token was routed
+        to: [tokens, top_k], None in a dense layer); the first two summed are the layer's output. Carrying them
+        apart lets each residual add fuse into the norm that follows it."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, meta, k_cache, v_cache, lora)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, expert_ids = self.mlp(hidden, lora)
+        return hidden, residual, expert_ids
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArchitecture):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.rotary: RotaryEmbedding | None = None  # set by from_pretrained on the model's device
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = (None if arch.tie_word_embeddings
+                        else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
+        # decode steps in one call of the CPU ops (set by use_weight_format): int4 weights, a plain dense decoder
+        self.decodes_in_one_call = False
+        self._decode_layers: tuple[int, object] | None = None  # (the KV caches' address, the ops' layer array)
+
+    @classmethod
+    def architecture(cls, config: dict) -> ModelArchitecture:
+        """This model's architecture from its HF config.json; subclasses add their own fields."""
+        return ModelArchitecture.from_hf_config(config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: list[LayerLora] | None = None,
+                record_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions: [tokens] → (final hidden states [tokens, hidden] before the last norm, routing).
+        lora: per layer, the adapters of the batch's tokens (None: no token uses one).
+        routing: with record_routing on a model with MoE layers, the expert ids each token was routed to,
+        [tokens, MoE layers, top_k] most likely first; else None."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.for_positions(positions)
+        if self.decodes_in_one_call and meta.prefill is None and lora is None and hidden.dtype == torch.float32:
+            hidden, residual = self._decode_in_one_call(hidden, rope, meta, kv_caches)
+            return residual + hidden, None
+        routed = []
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            hidden, residual, expert_ids = layer(rope, hidden, residual, meta, k_cache, v_cache,
+                                                 None if lora is None else lora[index])
+            if record_routing and expert_ids is not None:
+                routed.append(expert_ids)
+        return residual + hidden, torch.stack(routed, dim=1) if routed else None
+
+    def _decode_in_one_call(self, hidden, rope, meta: AttentionMetadata, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer through the CPU ops' llama_decode: the layers' own ops in their order, without ~10 Python
+        dispatches a layer (the same numbers, to the bit)."""
+        caches_at = kv_caches[0][0].data_ptr()
+        if self._decode_layers is None or self._decode_layers[0] != caches_at:
+            self._decode_layers = (caches_at, cpu_ops.decoder_layers([
+                {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight,
+                 "qkv": layer.self_attn.qkv_proj.packed, "o": layer.self_attn.o_proj.packed,
+                 "gate_up": layer.mlp.gate_up_proj.packed, "down": layer.mlp.down_proj.packed,
+                 "k_cache": k_cache, "v_cache": v_cache}
+                for layer, (k_cache, v_cache) in zip(self.layers, kv_caches)]))
+        arch = self.arch
+        return cpu_ops.llama_decode(self._decode_layers[1], hidden, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                    arch.intermediate_size, arch.rms_norm_eps, self.layers[0].self_attn.scale, *rope,
+                                    meta.slot_mapping, kv_caches[0][0].shape[1], meta.decode_block_tables,
+                                    meta.decode_context_lens, kv_caches[0][0].dtype == torch.float16,
+                                    self.int8_activations)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits_of_normed(self.final_norm(hidden))
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """forward()'s output → the hidden states the LM head reads (what return_hidden_states returns)."""
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def logits_of_normed(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head over hidden states after the final norm."""
+        if self.lm_head is None:  # tied, in its loaded form
+            return F.linear(normed, self.embed_tokens.weight).float()
+        return self.lm_head(normed).float()
+
+    def _projections(self, layer: int) -> list[tuple[nn.Module, str]]:
+        """(owner, attribute) of one layer's projections that take the weight format, in the Q4_1 reader's order."""
+        owners = (self.layers[layer].self_attn, self.layers[layer].mlp)
+        return [(owner, name) for owner in owners for name in owner.PROJECTIONS]
+
+    def projection_weights(self, layer: int) -> list[torch.Tensor]:
+        """One layer's dense projection weights."""
+        return [getattr(owner, name).weight for owner, name in self._projections(layer)]
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def use_weight_format(self, choice: Choice, q4: dict[int, list[Q4Weight]] | None) -> None:
+        """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
+        q4: per layer, the Q4_1 blocks of projection_weights(layer), for int4."""
+        for index in range(len(self.layers)):
+            owners = self._projections(index)
+            for (owner, name), blocks in zip(owners, q4[index] if q4 else [None] * len(owners)):
+                linear = getattr(owner, name)
+                setattr(owner, name, choice.make(linear.weight, linear.bias, blocks))
+        self.lm_head = choice.make_head(self.head_weight())
+        arch = self.arch
+        self.int8_activations = choice.int8_activations  # what llama_decode's projections run with
+        self.decodes_in_one_call = (choice.kernel == "cpu_ops" and not arch.qk_norm and not arch.attention_bias
+                                    and not arch.mlp_bias and not arch.moe_layers)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path, config: dict, dtype: torch.dtype,
+                        device: torch.device) -> "LlamaForCausalLM":
+        """This model with the weights of an HF-format directory whose config.json is `config`."""
+        arch = cls.architecture(config)
+        with torch.device("meta"):
+            model = cls(arch)
+        model.load_state_dict(checkpoint_state(Path(model_dir), arch), strict=True, assign=True)
+        model = model.to(device=device, dtype=dtype).eval()
+        model.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                       arch.rope_scaling, device)
+        return model

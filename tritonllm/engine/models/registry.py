@@ -1,0 +1,33 @@
+"""Which model class serves a checkpoint: HF config.json's `model_type` → our class. Adding an architecture is
+one file under models/ and one entry here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tritonllm.engine.models.architecture import read_hf_config
+from tritonllm.engine.models.llama import LlamaForCausalLM
+from tritonllm.engine.models.mixtral import MixtralForCausalLM
+from tritonllm.engine.models.qwen3 import Qwen3ForCausalLM
+from tritonllm.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+}
+
+
+def model_class(model_type: str | None) -> type[LlamaForCausalLM]:
+    if model_type not in MODELS:
+        raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODELS)})")
+    return MODELS[model_type]
+
+
+def from_pretrained(model_dir: Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model of an HF-format directory, built by the class its config.json's model_type names."""
+    config = read_hf_config(model_dir)
+    return model_class(config.get("model_type")).from_pretrained(model_dir, config, dtype, device)

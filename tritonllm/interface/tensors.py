@@ -1,0 +1,48 @@
+"""The Triton tensor interface of model `llm` by name (tritonllm/model_repository/llm/config.pbtxt declares the same
+tensors; a test checks they agree). Compatible with Triton's vllm_backend; its clients work unchanged."""
+
+PROMPT_INPUTS = ("text_input", "input_ids", "messages")  # exactly one carries the prompt
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+                "return_num_output_tokens", "return_num_cached_tokens", "return_matched_stop", "return_token_ids",
+                "return_prompt_token_ids")  # each adds the output of its name without "return_"
+PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+"""How the prompt becomes tokens (vLLM's names): BOOL inputs, but chat_template_kwargs (a JSON object)."""
+TOOL_INPUTS = ("tools", "tool_choice", "parallel_tool_calls")
+"""messages: OpenAI's tools (a JSON list), tool_choice (none, auto, required, or a JSON object naming a function),
+parallel_tool_calls (BOOL): see tritonllm/interface/tools.py."""
+INPUTS = PROMPT_INPUTS + ("stream", "sampling_parameters", "exclude_input_in_output") + RETURN_FLAGS + \
+    PROMPT_OPTIONS + TOOL_INPUTS + ("tokenize_only",)
+
+OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
+           "num_cached_tokens", "matched_stop", "prompt_logprobs", "hidden_states", "prompt_hidden_states",
+           "routed_experts", "token_ids", "prompt_token_ids", "prompt_token_strs", "max_model_len", "tool_calls")
+TOKENIZE_OUTPUTS = ("text_output", "prompt_token_ids", "prompt_token_strs", "num_input_tokens", "max_model_len")
+"""The one response of a `tokenize_only` request: the prompt's text and tokens, nothing generated."""
+
+RUNNING = "None"  # finish_reason of a choice still running: vllm_backend sends Python's str(None)
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # roles the `messages` input accepts
+
+
+def chat_template_conflict(add_generation_prompt: bool, continue_final_message: bool) -> str | None:
+    """vLLM's rule: the final message is either closed and answered or continued, not both (the error, if so)."""
+    if add_generation_prompt and continue_final_message:
+        return ("Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+                "(add_generation_prompt defaults to true: set it to false to continue the final message).")
+    return None
+
+
+def message_text(content) -> str:
+    """A chat message's content as the chat template gets it: a string, or OpenAI's list of content parts, whose
+    text parts are concatenated. ValueError for anything else (the model reads text only)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+        raise ValueError("content must be a string or a list of content parts")
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(f"content parts of type {part.get('type')!r} are not supported: this model reads text "
+                             "only (parts of type 'text')")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a content part of type 'text' needs a string 'text'")
+    return "".join(part["text"] for part in content)

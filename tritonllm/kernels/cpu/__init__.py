@@ -1,0 +1,353 @@
+"""The CPU's fused ops (cpu_ops.c), built for this machine on first use and called through ctypes.
+
+One step of a small model on a CPU is hundreds of small torch ops (each a dispatch and an OpenMP fork), and the
+int4 weights have no fast fp32-activation kernel in torch. These ops do the same work in a few calls per layer
+(`llama_decode`: one call for a whole decode step), and `q4_matmul` reads the checkpoint's own 4-bit weights (5
+bits per weight with their scales, against 16 for fp16). `load(directory)` compiles the library with
+`-march=native` (so it suits exactly the CPU it runs on; `TRITONLLM_CPU_MARCH` names another target, e.g.
+x86-64-v3 for AVX2 code on an AVX-512 CPU) into that directory, keyed by the source, the flags and the CPU's
+feature flags, and loads it; until then, without a C compiler, or with TRITONLLM_CPU_OPS=0, the engine's
+ops run the torch references. ctypes releases the GIL during each call; the OpenMP runtime is torch's own (the
+library links libgomp.so.1, which torch has already loaded), so the process keeps one thread team."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tritonllm.kernels.decode_attention import paged_decode_attention_reference
+from tritonllm.kernels.kv_cache import store_kv_cache_reference
+from tritonllm.kernels.prefill_attention import prefill_attention_reference
+from tritonllm.kernels.rotary import rotary_embedding_reference
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+MARCH = os.environ.get("TRITONLLM_CPU_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+QUANT_BLOCK = 32  # as in cpu_ops.c
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {
+    "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
+    "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p,
+                                _i64],
+    "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
+    "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
+    "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _i64],
+    "silu_and_mul": [_p, _i64, _i64, _p],
+    "sample_rows": [_p, _p, _i64, _i64, _p, _p, _p, _p],
+    "llama_decode": [_p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _p, _p, _p, _i64, _p, _i64, _p, _i64,
+                     _p, _p, _i64, _i64],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def build(directory: Path, source: Path = SOURCE) -> Path | None:
+    """The library compiled from `source` for this CPU in `directory` (unless already there; other builds for the
+    same target there are removed), or None without a working C compiler."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("no C compiler: the CPU runs the torch reference ops (slower)")
+        return None
+    key = hashlib.sha256(source.read_bytes() + "\n".join([" ".join(FLAGS), _cpu_flags(), torch.__version__])
+                         .encode()).hexdigest()[:16]  # bytes: the stub's locale may be ASCII
+    target = directory / f"cpu_ops-{MARCH}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # concurrent builders each rename their own
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            log.warning("building the CPU ops failed, using the torch references: %s", result.stderr[-2000:])
+            return None
+        os.replace(built, target)
+    for stale in target.parent.glob(f"cpu_ops-{MARCH}-*.so"):  # older sources or flags (a loaded copy stays mapped)
+        if stale != target:
+            stale.unlink(missing_ok=True)
+    return target
+
+
+_library: ctypes.CDLL | None = None
+
+
+def load(directory: Path) -> bool:
+    """Build (unless cached in `directory`) and load the ops once per process; whether they are in use."""
+    global _library
+    if _library is None and os.environ.get("TRITONLLM_CPU_OPS", "1") != "0":
+        path = build(directory)
+        if path is not None:
+            _library = open_library(path)
+    return _library is not None
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """A built library with its functions' signatures set."""
+    library = ctypes.CDLL(str(path))
+    for name, argtypes in SIGNATURES.items():
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = None
+    return library
+
+
+def available() -> bool:
+    return _library is not None
+
+
+def _table(block_tables: torch.Tensor) -> torch.Tensor:
+    """Block tables as the kernels read them: rows of contiguous entries (the rows may be strided: the runner's
+    tables are views of a wider buffer)."""
+    return block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+# ---- quantized weights: the checkpoint's Q4_1 and Q8_0 blocks ----
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 codes q [out, in] (0..15) and fp16 scales d, zeros m [out, in / 32] → the kernel's blocks
+    [out, in / 32, 24] uint8: d, m as fp32 (the same values), then 16 bytes holding element j (low nibble) and
+    j + 16 (high)."""
+    rows, width = q.shape
+    codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, QUANT_BLOCK)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    scales = [t.to(torch.float16).float().contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 4)
+              for t in (d, m)]
+    return torch.cat([*scales, nibbles], dim=-1).contiguous()
+
+
+def pack_q8_exact(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] as Q8_0 blocks [out, in / 32, 34] uint8 (fp16 d, then 32 int8 codes: w = d · q), or None
+    unless those blocks hold it exactly: a GGUF's Q8_0 tensor dequantized comes back to its own blocks (llama.cpp
+    scales each block by its absmax / 127), any other weight does not."""
+    rows, width = weight.shape
+    if width % QUANT_BLOCK:
+        return None
+    blocks = weight.float().reshape(rows, width // QUANT_BLOCK, QUANT_BLOCK)
+    d = (blocks.abs().amax(dim=-1, keepdim=True) / 127).to(torch.float16)
+    q = torch.where(d == 0, 0.0, blocks / d.float()).round().clamp(-127, 127)
+    if not torch.equal(q * d.float(), blocks):
+        return None
+    return torch.cat([d.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
+
+
+GROUP_ROWS = 16  # as in cpu_ops.c: the int8-activation ops' weights in groups of 16 rows
+
+
+def _row_groups(codes: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
+    """Each row's code bytes [out, blocks · chunks · 4] (per block, chunk c holds the row's 4 bytes for inputs 4c ..
+    4c + 3) and per-block scales [out, blocks] → [groups of 16 rows, blocks, chunks · 64 + 32 per scale] uint8:
+    per group and block, each chunk as the group's 16 rows' 4 bytes side by side, then each scale's 16 fp16 values
+    (cpu_ops.c's int8-activation layout)."""
+    rows, width = codes.shape[0], scales[0].shape[1] * QUANT_BLOCK
+    padding = -rows % GROUP_ROWS  # zero rows: their outputs are computed, never stored
+    groups, blocks = (rows + padding) // GROUP_ROWS, width // QUANT_BLOCK
+    codes = F.pad(codes, (0, 0, 0, padding)).view(groups, GROUP_ROWS, blocks, -1, 4).permute(0, 2, 3, 1, 4)
+    scales = [F.pad(t.to(torch.float16), (0, 0, 0, padding)).view(groups, GROUP_ROWS, blocks).transpose(1, 2)
+              .contiguous().view(torch.uint8) for t in scales]
+    return torch.cat([codes.reshape(groups, blocks, -1), *scales], dim=-1).contiguous()
+
+
+def pack_q4_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 codes q [out, in] (0..15) and scales d, zeros m [out, in / 32] → q4_q8_matmul's row groups: per block,
+    4 chunks whose low nibbles hold inputs 4c .. 4c + 3 and high nibbles 16 + 4c .. 16 + 4c + 3, then d, m."""
+    rows, width = q.shape
+    codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
+    nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)
+    return _row_groups(nibbles.reshape(rows, -1), [d, m])
+
+
+def pack_q8_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """pack_q8_exact's Q8_0 blocks → q8_q8_matmul's row groups: per block, 8 chunks of codes + 128 (unsigned
+    bytes, for vpdpbusd), then d."""
+    rows, count = blocks.shape[:2]
+    d = blocks[..., :2].contiguous().view(torch.float16).view(rows, count)
+    codes = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return _row_groups(codes.reshape(rows, -1), [d])
+
+
+def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr())
+    return out
+
+
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ pack_q4's weights [out, in].T → [tokens, out]."""
+    return _block_matmul(_library.q4_matmul, x, packed, packed.shape[0])
+
+
+def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ pack_q8_exact's weights [out, in].T → [tokens, out]."""
+    return _block_matmul(_library.q8_matmul, x, packed, packed.shape[0])
+
+
+def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [tokens, in] float32 @ the weights [rows, in].T that pack_q4_rows packed, with each token's x quantized per
+    block of 32 to int8 codes first (llama.cpp's Q8_1: codes round(x / dx) with dx the block's absmax / 127, and
+    sx = dx · Σ codes): Σ_b dw·dx·(the block's code products, summed exactly) + mw·sx."""
+    return _block_matmul(_library.q4_q8_matmul, x, packed, rows)
+
+
+def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """As q4_q8_matmul over pack_q8_rows's weights (Σ_b dw·dx·Σ code products)."""
+    return _block_matmul(_library.q8_q8_matmul, x, packed, rows)
+
+
+def sample_tokens(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,
+                  uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As kernels.sampling.sample_tokens_reference, each row in a few passes while it is in cache."""
+    logits, raw = logits.contiguous(), raw.contiguous()
+    rows, vocab = logits.shape
+    inverse_temperatures, uniforms = (t.to(torch.float32).contiguous() for t in (inverse_temperatures, uniforms))
+    tokens = torch.empty(rows, dtype=torch.int64)
+    log_normalizers = torch.empty(rows, dtype=torch.float32)
+    _library.sample_rows(logits.data_ptr(), raw.data_ptr(), rows, vocab, inverse_temperatures.data_ptr(),
+                         uniforms.data_ptr(), tokens.data_ptr(), log_normalizers.data_ptr())
+    return tokens, log_normalizers
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """Whether x [tokens, heads, dim] has each token's heads back to back (its rows may be strided)."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    x = x.contiguous()
+    width = x.shape[-1]
+    out = torch.empty_like(x)
+    summed = None if residual is None else torch.empty_like(x)
+    _library.rms_norm(x.data_ptr(), _ptr(None if residual is None else residual.contiguous()), weight.data_ptr(),
+                       x.numel() // width, width, eps, out.data_ptr(), _ptr(summed))
+    return out if residual is None else (out, summed)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if not (_rows(q) and _rows(k)):
+        return rotary_embedding_reference(q, k, cos, sin)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _library.rotary_embedding(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+                               q.shape[0], q.shape[2], cos.data_ptr(), sin.data_ptr())
+
+
+def _half(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
+    """The ops' `half` flag for a KV cache: 1 for float16, 0 for float32, None for what they do not read."""
+    if k_cache.dtype != v_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    return {torch.float32: 0, torch.float16: 1}.get(k_cache.dtype)
+
+
+def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    half = _half(k_cache, v_cache)
+    if not (_rows(k) and _rows(v) and slot_mapping.dtype == torch.int64 and half is not None):
+        return store_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
+    slots = slot_mapping.contiguous()
+    _library.store_kv_cache(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0],
+                             k.shape[1] * k.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), half)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, workspace=None) -> torch.Tensor:
+    half = _half(k_cache, v_cache)
+    if not (_rows(q) and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int32 and half is not None):
+        return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
+    seqs, heads, head_dim = q.shape
+    out = torch.empty(seqs, heads, head_dim, dtype=torch.float32)
+    tables = _table(block_tables)
+    lens = context_lens.contiguous()
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    _library.paged_decode_attention(q.data_ptr(), q.stride(0), seqs, heads, head_dim, k_cache.data_ptr(),
+                                     v_cache.data_ptr(), block_size, kv_heads, tables.data_ptr(), tables.stride(0),
+                                     lens.data_ptr(), tables.shape[1] * block_size, scale, out.data_ptr(), half)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
+                      query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    half = _half(k_cache, v_cache)
+    if not (_rows(q) and block_tables.dtype == torch.int64 and half is not None and
+            all(t.dtype == torch.int32 for t in (query_starts, query_lens, context_lens))):
+        return prefill_attention_reference(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables,
+                                           scale)
+    rows, heads, head_dim = q.shape
+    out = torch.empty(rows, heads, head_dim, dtype=torch.float32)
+    tables = _table(block_tables)
+    starts, lens, contexts = query_starts.contiguous(), query_lens.contiguous(), context_lens.contiguous()
+    _library.paged_prefill_attention(q.data_ptr(), q.stride(0), len(starts), starts.data_ptr(), lens.data_ptr(),
+                                      contexts.data_ptr(), heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                                      k_cache.shape[1], k_cache.shape[2], tables.data_ptr(), tables.stride(0), scale,
+                                      out.data_ptr(), half)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    width = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
+    _library.silu_and_mul(x.data_ptr(), x.numel() // x.shape[-1], width, out.data_ptr())
+    return out
+
+
+# ---- a whole decode forward ----
+
+class DecoderLayer(ctypes.Structure):
+    """One layer's tensors as cpu_ops.c's llama_decode reads them."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache")]
+
+
+def decoder_layers(layers: list[dict[str, torch.Tensor]]) -> ctypes.Array:
+    """Each layer's tensors (DecoderLayer's field names) as one array; the tensors must outlive it."""
+    array = (DecoderLayer * len(layers))()
+    for entry, tensors in zip(array, layers):
+        for name, tensor in tensors.items():
+            assert tensor.is_contiguous(), name
+            setattr(entry, name, tensor.data_ptr())
+    return array
+
+
+def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_size: int, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, half_cache: bool,
+                 int8_activations: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer of a dense decoder over one-token queries: the embeddings [tokens, hidden] → (the last MLP's
+    output, the residual stream before it), as the layers op by op would give them. half_cache: the layers' KV
+    caches are float16 (else float32); int8_activations: the projections are q4_q8_matmul's (else q4_matmul's)."""
+    hidden = hidden.contiguous().clone()  # written in place
+    residual = torch.empty_like(hidden)
+    tables = _table(block_tables)
+    cos, sin, slots, lens = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous(), context_lens.contiguous()
+    _library.llama_decode(ctypes.addressof(layers), len(layers), hidden.shape[0], hidden.shape[1], heads, kv_heads,
+                          head_dim, intermediate, eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                          block_size, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+                          tables.shape[1] * block_size, hidden.data_ptr(), residual.data_ptr(), int(half_cache),
+                          int(int8_activations))
+    return hidden, residual
