@@ -1,5 +1,5 @@
 """Before/after of a change to the CPU ops: the engine in this process, with the ops of a git revision's
-tritonllm/kernels/cpu/cpu_ops.c and of this checkout's swapped between runs, alternating (the host's drift between separate
+CPU ops (tritonllm/kernels/cpu, or kernels/cpu before the namespace) and of this checkout's swapped between runs, alternating (the host's drift between separate
 processes can exceed the change), at each streams level; prints each run and the medians.
 
     .venv/bin/python bench/cpu_ops_ab.py --before b5d3932 [--streams 1,32] [--rounds 4] [--tokens 128]
@@ -31,13 +31,18 @@ from throughput import engine_run  # noqa: E402
 
 
 def built_ops(revision: str | None, directory: Path):
-    """The CPU ops of `revision`'s cpu_ops.c (None: this checkout's), built into `directory` and opened."""
-    source = cpu.SOURCE
+    """The CPU ops of `revision`'s C sources (None: this checkout's), built into `directory` and opened."""
+    source_dir = cpu.SOURCE_DIR
     if revision is not None:
-        source = directory / "cpu_ops.c"
-        source.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:tritonllm/kernels/cpu/cpu_ops.c"],
-                                          check=True, capture_output=True).stdout)
-    path = cpu.build(directory / "build", source)
+        source_dir = directory / "src"
+        source_dir.mkdir()
+        for folder in ("tritonllm/kernels/cpu/", "kernels/cpu/"):  # where the sources were, then and now
+            names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", revision, folder], check=True,
+                                   capture_output=True, text=True).stdout.split()
+            for name in (name for name in names if name.endswith((".c", ".h"))):
+                (source_dir / Path(name).name).write_bytes(subprocess.run(
+                    ["git", "-C", str(ROOT), "show", f"{revision}:{name}"], check=True, capture_output=True).stdout)
+    path = cpu.build(directory / "build", source_dir)
     if path is None:
         raise SystemExit("no C compiler: the CPU ops cannot be built")
     return cpu.open_library(path)
@@ -45,7 +50,7 @@ def built_ops(revision: str | None, directory: Path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="the git revision whose cpu_ops.c is 'before'")
+    parser.add_argument("--before", required=True, help="the git revision whose CPU ops are 'before'")
     parser.add_argument("--streams", default="1,32")
     parser.add_argument("--rounds", type=int, default=4, help="runs of each build per streams level")
     parser.add_argument("--tokens", type=int, default=128)

@@ -1,4 +1,4 @@
-"""The CPU's fused ops (cpu_ops.c), built for this machine on first use and called through ctypes.
+"""The CPU's fused ops (the C files of this folder, declared in cpu_ops.h), built for this machine on first use and called through ctypes.
 
 One step of a small model on a CPU is hundreds of small torch ops (each a dispatch and an OpenMP fork), and the
 int4 weights have no fast fp32-activation kernel in torch. These ops do the same work in a few calls per layer
@@ -31,10 +31,10 @@ from tritonllm.kernels.rotary import rotary_embedding_reference
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+SOURCE_DIR = Path(__file__).parent  # *.c (one concept each) and their headers, built into one library
 MARCH = os.environ.get("TRITONLLM_CPU_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
-QUANT_BLOCK = 32  # as in cpu_ops.c
+QUANT_BLOCK = 32  # as in quant_matmul.c
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -62,14 +62,16 @@ def _cpu_flags() -> str:
         return ""
 
 
-def build(directory: Path, source: Path = SOURCE) -> Path | None:
-    """The library compiled from `source` for this CPU in `directory` (unless already there; other builds for the
-    same target there are removed), or None without a working C compiler."""
+def build(directory: Path, source_dir: Path = SOURCE_DIR) -> Path | None:
+    """The library compiled from `source_dir`'s C files for this CPU in `directory` (unless already there; other
+    builds for the same target there are removed), or None without a working C compiler."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("no C compiler: the CPU runs the torch reference ops (slower)")
         return None
-    key = hashlib.sha256(source.read_bytes() + "\n".join([" ".join(FLAGS), _cpu_flags(), torch.__version__])
+    sources = sorted(source_dir.glob("*.c"))
+    content = b"".join(path.name.encode() + path.read_bytes() for path in sorted(source_dir.glob("*.[ch]")))
+    key = hashlib.sha256(content + "\n".join([" ".join(FLAGS), _cpu_flags(), torch.__version__])
                          .encode()).hexdigest()[:16]  # bytes: the stub's locale may be ASCII
     target = directory / f"cpu_ops-{MARCH}-{key}.so"
     if target.exists():
@@ -77,8 +79,8 @@ def build(directory: Path, source: Path = SOURCE) -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # concurrent builders each rename their own
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
-                                text=True)
+        result = subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
         if result.returncode != 0:
             log.warning("building the CPU ops failed, using the torch references: %s", result.stderr[-2000:])
             return None
@@ -154,14 +156,14 @@ def pack_q8_exact(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([d.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
 
 
-GROUP_ROWS = 16  # as in cpu_ops.c: the int8-activation ops' weights in groups of 16 rows
+GROUP_ROWS = 16  # as in quant_matmul.c: the int8-activation ops' weights in groups of 16 rows
 
 
 def _row_groups(codes: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
     """Each row's code bytes [out, blocks · chunks · 4] (per block, chunk c holds the row's 4 bytes for inputs 4c ..
     4c + 3) and per-block scales [out, blocks] → [groups of 16 rows, blocks, chunks · 64 + 32 per scale] uint8:
     per group and block, each chunk as the group's 16 rows' 4 bytes side by side, then each scale's 16 fp16 values
-    (cpu_ops.c's int8-activation layout)."""
+    (quant_matmul.c's int8-activation layout)."""
     rows, width = codes.shape[0], scales[0].shape[1] * QUANT_BLOCK
     padding = -rows % GROUP_ROWS  # zero rows: their outputs are computed, never stored
     groups, blocks = (rows + padding) // GROUP_ROWS, width // QUANT_BLOCK
@@ -317,7 +319,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ---- a whole decode forward ----
 
 class DecoderLayer(ctypes.Structure):
-    """One layer's tensors as cpu_ops.c's llama_decode reads them."""
+    """One layer's tensors as llama_decode.c reads them."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache")]
