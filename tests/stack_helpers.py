@@ -51,11 +51,11 @@ class StackProcess:
     """A `tritonllm serve` process on fixed ports that can be checked and restarted on the same ports, so a test
     that kills tritonserver fails alone and the next test gets a fresh stack."""
 
-    def __init__(self, model_dir: Path, state_dir: Path, options: tuple[str, ...], lora_dir: Path | None):
+    def __init__(self, model: Path | str, state_dir: Path, options: tuple[str, ...], lora_dir: Path | None):
         adapter_port, http_port, grpc_port, metrics_port = free_ports(4)
         self.state_dir = state_dir
         self.command = [
-            sys.executable, "-m", "tritonllm", "serve", "--model", str(model_dir), *options,
+            sys.executable, "-m", "tritonllm", "serve", "--model", str(model), *options,
             "--port", str(adapter_port), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
             "--metrics-port", str(metrics_port), "--state-dir", str(state_dir),
         ]
@@ -64,7 +64,7 @@ class StackProcess:
             grpc_url=f"127.0.0.1:{grpc_port}",
             http_url=f"127.0.0.1:{http_port}",
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-            model_name=served_model_name(model_dir),
+            model_name=served_model_name(model) if isinstance(model, Path) else model,  # a hub id: as given
             state_dir=state_dir,
             lora_dir=lora_dir,
         )
@@ -105,10 +105,11 @@ class StackProcess:
 
 
 @contextmanager
-def running_stack(model_dir: Path, state_dir: Path, *options: str, lora_dir: Path | None = None
+def running_stack(model: Path | str, state_dir: Path, *options: str, lora_dir: Path | None = None
                   ) -> Iterator[StackProcess]:
-    """`tritonllm serve --model model_dir options...` on free ports, until the block exits (then SIGTERM)."""
-    process = StackProcess(model_dir, state_dir, options, lora_dir)
+    """`tritonllm serve --model model options...` (a model directory, or a hub id) on free ports, until the block
+    exits (then SIGTERM)."""
+    process = StackProcess(model, state_dir, options, lora_dir)
     process.start()
     try:
         yield process

@@ -35,6 +35,8 @@ _DERIVED_ADAPTER_SETTINGS = ("triton_url", "triton_model", "lora_dir", "triton_m
 _STACK_PLACE_SETTINGS = ("host", "port", "triton_host", "http_port", "grpc_port", "metrics_port")
 # The one AdapterSettings the gateway needs too: the stacks' API key.
 _ALL_BUT_API_KEY = tuple(field.name for field in settings.settings_fields(AdapterSettings) if field.name != "api_key")
+# The one EngineConfig setting `prepare` needs: the model.
+_ALL_BUT_MODEL = tuple(field.name for field in settings.settings_fields(EngineConfig) if field.name != "model_path")
 
 
 class _Stop(Exception):
@@ -60,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritonllm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    prepare = commands.add_parser("prepare", help="convert the default GGUF model into the cache once")
-    prepare.add_argument("--force", action="store_true", help="convert again even if already prepared")
+    prepare = commands.add_parser("prepare", help="download (a hub id) or convert (a GGUF) the model into its cache "
+                                                  "once, and build the CPU ops; e.g. at a container's build time")
+    settings.add_options(prepare, EngineConfig, exclude=_ALL_BUT_MODEL)
+    prepare.add_argument("--force", action="store_true", help="convert the default model again even if prepared")
 
     serve = commands.add_parser("serve", help="run tritonserver and the OpenAI-compatible adapter")
     settings.add_options(serve, EngineConfig)
@@ -92,12 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _write_repository(args: argparse.Namespace, repository: Path) -> str:
     """Resolve (preparing if needed) the model and write the repository; returns the served model name."""
     log.info("preparing model…")
-    model_dir = model_files.resolve_model_path(args.model_path)
-    log.info("model at %s", model_dir)
+    model = model_files.resolve_model(args.model_path)
+    log.info("model at %s", model.path)
     # tritonserver runs elsewhere: paths go absolute
-    config = settings.from_options(EngineConfig, args, model_path=str(model_dir), lora_dir=_lora_dir(args.lora_dir))
+    config = settings.from_options(EngineConfig, args, model_path=str(model.path), lora_dir=_lora_dir(args.lora_dir))
     launcher.write_model_repository(repository, config.to_strings(), settings.from_options(InstanceGroup, args))
-    return model_files.served_model_name(model_dir)
+    return model.name
 
 
 def _lora_dir(configured: str) -> str:
@@ -126,8 +130,12 @@ def _raise_stop(signum, frame) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    log.info("preparing the default model…")
-    log.info("model ready at %s", model_files.prepare_default_model(force=args.force))
+    log.info("preparing the model…")
+    if args.force and not args.model_path:
+        model_dir = model_files.prepare_default_model(force=True)
+    else:
+        model_dir = model_files.resolve_model_path(args.model_path)
+    log.info("model ready at %s", model_dir)
     from tritonllm.kernels import cpu  # imports torch: only here
     built = cpu.load(model_files.cpu_ops_dir())
     log.info("CPU ops %s", f"built for this CPU in {model_files.cpu_ops_dir()}" if built else
@@ -195,13 +203,15 @@ def gateway(args: argparse.Namespace) -> int:
 def scale_out(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
-    # Resolved (the default model converted) once here, not by each stack in turn.
+    # Resolved (the default model converted, a hub model downloaded) once here, not by each stack in turn.
     log.info("preparing model…")
-    args.model_path = str(model_files.resolve_model_path(args.model_path))
+    model = model_files.resolve_model(args.model_path)
+    args.model_path = str(model.hub or model.path)
     args.lora_dir = _lora_dir(args.lora_dir)
-    # Every stack gets the same engine and adapter options, through its environment.
+    # Every stack gets the same engine and adapter options, through its environment; a hub id stays one, so each
+    # stack serves it under its id, found in the cache just filled.
     stack_env = {**settings.to_env(EngineConfig, args), **settings.to_env(InstanceGroup, args),
-                 **settings.to_env(AdapterSettings, args)}
+                 **settings.to_env(AdapterSettings, args), "HF_HUB_OFFLINE": "1"}
     fleet = None
     try:
         fleet = Fleet(settings.from_options(ScaleOutSettings, args), settings.from_options(GatewaySettings, args),
@@ -234,12 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local files; never reach for the hub
     commands = {"prepare": prepare, "serve": serve, "gateway": gateway, "scale-out": scale_out,
                 "write-repository": write_repository}
     try:
         return commands[args.command](args)
-    except (FileNotFoundError, ValueError) as error:  # a bad --model or a missing tritonserver
+    except (FileNotFoundError, ValueError) as error:  # a bad --model (hub failures too) or a missing tritonserver
         log.error("%s", error)
         return 1
 

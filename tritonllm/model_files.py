@@ -1,5 +1,7 @@
-"""Where models live: the default GGUF, the prepared-model cache, and turning a user's model path into an
-HF-format directory the engine can load. Conversion from GGUF happens once per file and is cached."""
+"""Where models live: the default GGUF, the prepared-model cache, and turning a user's --model (a local path or a
+Hugging Face hub id) into an HF-format directory the engine can load. Hub repositories are downloaded into the
+Hugging Face cache (HF_HOME / HF_HUB_CACHE; HF_HUB_OFFLINE=1 reads only the cache); conversion from GGUF happens
+once per file and is cached."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -76,23 +80,113 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 
 def resolve_model_path(path_or_empty: str | os.PathLike | None) -> Path:
-    """Any accepted --model value → an HF-format model directory (converting a GGUF if needed)."""
+    """Any accepted --model value → an HF-format model directory (downloading or converting a GGUF if needed)."""
+    return resolve_model(path_or_empty).path
+
+
+@dataclass(frozen=True)
+class Model:
+    path: Path  # the HF-format directory the engine loads
+    name: str  # what clients send in the `model` field
+    hub: HubModel | None = None  # where it came from, when from the hub
+
+
+def resolve_model(path_or_empty: str | os.PathLike | None) -> Model:
+    """A --model value → its directory and served name. A local path that exists wins over a hub id."""
     text = str(path_or_empty or "").strip()
     if text in ("", "default"):
-        return prepare_default_model()
+        return _local_model(prepare_default_model())
     path = Path(text).expanduser().resolve()
     if path.is_dir() and is_hf_model_dir(path):
-        return path
+        return _local_model(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return convert_gguf(path, converted_gguf_dir(path))
+        return _local_model(convert_gguf(path, converted_gguf_dir(path)))
+    hub_model = HubModel.parse(text) if not path.exists() else None
+    if hub_model is not None:
+        return Model(hub_model.fetch(), hub_model.repo_id, hub_model)
     raise ValueError(
-        f"not a model: {text!r} (expected a Hugging Face directory with config.json, a .gguf file, "
-        "or empty for the default model)")
+        f"not a model: {text!r} (expected a Hugging Face directory with config.json, a .gguf file, a hub id "
+        "ORG/NAME[@REVISION][:FILE.gguf], or empty for the default model)")
+
+
+def _local_model(model_dir: Path) -> Model:
+    return Model(model_dir, served_model_name(model_dir))
 
 
 def served_model_name(model_dir: str | os.PathLike) -> str:
-    """The name clients use in the `model` field: the model directory's name."""
+    """The name clients use in the `model` field for a local model: the model directory's name."""
     return Path(model_dir).name
+
+
+class HubModelError(ValueError):
+    """A hub model could not be had (not on the hub, not cached while offline, no network): one line for the user."""
+
+
+@dataclass(frozen=True)
+class HubModel:
+    """A model repository on the Hugging Face hub: ORG/NAME, optionally @REVISION (branch, tag or commit), and
+    for a GGUF-only repository :FILE.gguf, the one file to serve. Served under its repository id, as vLLM does."""
+
+    repo_id: str
+    revision: str | None = None
+    gguf_file: str | None = None
+
+    # A hub repository id is one namespace and one name, each starting and ending with a letter or digit (so
+    # ./x, ~/x and ../x are paths); a revision never holds ':' (git refs cannot).
+    _NAME = r"\w(?:[\w.-]*\w)?"
+    _SYNTAX = re.compile(rf"(?P<repo_id>{_NAME}/{_NAME})(?:@(?P<revision>[^:@\s]+))?(?::(?P<gguf_file>[^:\s]+\.gguf))?",
+                         re.IGNORECASE)
+    # What the engine reads from a repository: config and generation defaults, weights, tokenizer (tokenizer.json
+    # or vocab + merges or a sentencepiece model, its config, a chat template). Top level only; Mistral's
+    # consolidated*.safetensors repeat the weights in another naming.
+    _ENGINE_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+    _NOT_ENGINE_FILES = ["*/*", "consolidated*.safetensors"]
+
+    @classmethod
+    def parse(cls, text: str) -> HubModel | None:
+        match = cls._SYNTAX.fullmatch(text)
+        return cls(**match.groupdict()) if match else None
+
+    def __str__(self) -> str:
+        return self.repo_id + (f"@{self.revision}" if self.revision else "") + \
+            (f":{self.gguf_file}" if self.gguf_file else "")
+
+    def fetch(self) -> Path:
+        """Download what the engine needs into the Hugging Face cache, or find it there; its HF-format directory."""
+        from huggingface_hub import hf_hub_download, snapshot_download  # imported on use: the CLI starts fast
+
+        try:
+            if self.gguf_file:
+                gguf_path = Path(hf_hub_download(self.repo_id, self.gguf_file, revision=self.revision))
+                return convert_gguf(gguf_path, converted_gguf_dir(gguf_path))
+            snapshot = Path(snapshot_download(self.repo_id, revision=self.revision, allow_patterns=self._ENGINE_FILES,
+                                              ignore_patterns=self._NOT_ENGINE_FILES))
+        except Exception as error:  # the hub client's errors include its HTTP library's (httpx or requests)
+            raise HubModelError(self._explain(error)) from error
+        if not is_hf_model_dir(snapshot):
+            raise HubModelError(f"{self.repo_id} has no config.json: for a repository of GGUF files, name the file "
+                                f"as {self.repo_id}:FILE.gguf")
+        return snapshot
+
+    def _explain(self, error: Exception) -> str:
+        from huggingface_hub import constants
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+        where = f"the Hugging Face hub model {self}"
+        if constants.HF_HUB_OFFLINE:
+            return (f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 "
+                    f"forbids downloading it: run `tritonllm prepare --model {self}` where the hub can be reached")
+        if isinstance(error, GatedRepoError):
+            return f"{where} is gated: accept its terms on its hub page, then log in (`hf auth login` or HF_TOKEN)"
+        if isinstance(error, RepositoryNotFoundError):
+            return (f"{str(self)!r} is no local path, and {where} does not exist (or is private: log in with "
+                    "`hf auth login` or HF_TOKEN)")
+        if isinstance(error, RevisionNotFoundError):
+            return f"{where}: the repository has no revision {self.revision!r}"
+        cause = error.__cause__ or error  # e.g. the connection error under "not found locally"
+        reason = (str(cause).strip().splitlines() or [""])[0]
+        return (f"cannot get {where}, and it is not in the Hugging Face cache ({constants.HF_HUB_CACHE}): "
+                f"{type(cause).__name__}{': ' + reason if reason else ''}")
 
 
 def convert_gguf(gguf_path: Path, target: Path, force: bool = False) -> Path:

@@ -42,7 +42,10 @@ def at_least_one(name: str) -> Callable[[str], int]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str = setting("", "HF model directory or .gguf file; empty for the default model", option="model")
+    model_path: str = setting("", "HF model directory, .gguf file, or Hugging Face hub id ORG/NAME[@REVISION] "
+                                  "(downloaded into the HF cache; HF_HUB_OFFLINE=1: the cache only; a GGUF-only "
+                                  "repository: ORG/NAME[@REVISION]:FILE.gguf); empty for the default model",
+                              option="model")
     dtype: str = setting("auto", "activations dtype, the KV cache's too unless kv_cache_dtype says otherwise (auto: "
                                  "bfloat16 on CUDA; on the CPU what the weight format runs with)")
     weight_format: str = setting("auto", "CPU projection weights: float32, float16, bfloat16, int8, int4 or int4-q8 "
