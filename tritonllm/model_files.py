@@ -158,11 +158,14 @@ class HubModel:
         try:
             if self.gguf_file:
                 gguf_path = Path(hf_hub_download(self.repo_id, self.gguf_file, revision=self.revision))
-                return convert_gguf(gguf_path, converted_gguf_dir(gguf_path))
-            snapshot = Path(snapshot_download(self.repo_id, revision=self.revision, allow_patterns=self._ENGINE_FILES,
-                                              ignore_patterns=self._NOT_ENGINE_FILES))
+            else:
+                snapshot = Path(snapshot_download(self.repo_id, revision=self.revision,
+                                                  allow_patterns=self._ENGINE_FILES,
+                                                  ignore_patterns=self._NOT_ENGINE_FILES))
         except Exception as error:  # the hub client's errors include its HTTP library's (httpx or requests)
             raise HubModelError(self._explain(error)) from error
+        if self.gguf_file:
+            return convert_gguf(gguf_path, converted_gguf_dir(gguf_path))
         if not is_hf_model_dir(snapshot):
             raise HubModelError(f"{self.repo_id} has no config.json: for a repository of GGUF files, name the file "
                                 f"as {self.repo_id}:FILE.gguf")
