@@ -23,7 +23,7 @@ from tritonllm.interface import settings
 from tritonllm.interface.api_key import read_api_key
 from tritonllm.interface.settings import setting
 from tritonllm.adapter.settings import AdapterSettings
-from tritonllm.gateway import GatewaySettings, gateway_command
+from tritonllm.gateway import GatewaySettings, gateway_command, gateway_env
 from tritonllm.scale_out import Fleet, FleetError, ScaleOutSettings
 
 log = logging.getLogger("tritonllm")
@@ -207,10 +207,10 @@ def tritonserver(args: argparse.Namespace) -> int:
 
 
 def gateway(args: argparse.Namespace) -> int:
-    command = gateway_command(settings.from_options(GatewaySettings, args), args.api_key)
+    command = gateway_command(settings.from_options(GatewaySettings, args))
     log.info("gateway: smg --policy %s on http://%s:%d/v1 over %s", args.policy, args.host, args.port,
              args.worker_urls)
-    os.execv(command[0], command)  # becomes smg: its signals, its exit code
+    os.execve(command[0], command, gateway_env(args.api_key))  # becomes smg: its signals, its exit code
 
 
 def scale_out(args: argparse.Namespace) -> int:
