@@ -118,3 +118,17 @@ def test_the_gateway_gets_the_key_inside_its_process(monkeypatch):
     gateway.main()
     assert received == [[*command[3:], "--api-key", KEY]]
     assert API_KEY_ENV not in os.environ  # smg's own children do not inherit it
+
+
+def test_every_api_group_of_this_tritonserver_but_health_is_restricted():
+    """The groups as the binary's --help lists them: a release that adds one fails here, not silently open."""
+    tritonserver = launcher.find_tritonserver()
+    result = subprocess.run([str(tritonserver), "--help"], capture_output=True, text=True, timeout=60,
+                            env=launcher.server_env(tritonserver))
+    help_text = result.stdout + result.stderr
+    for option, label in (("--http-restricted-api", "Allowed APIs:"), ("--grpc-restricted-protocol",
+                                                                         "Allowed protocols:")):
+        section = help_text.split(f"  {option} ", 1)[1]
+        listed = section.split(label, 1)[1].split("\n\n", 1)[0]
+        groups = {group.strip() for group in " ".join(listed.split()).split(",")}
+        assert groups == {"health", *RESTRICTED_APIS}, option
