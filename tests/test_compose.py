@@ -71,6 +71,9 @@ def test_the_stack_image_is_triton_with_the_engine_and_the_default_model_built_i
     assert any(kind == "ENV" and "TRITONLLM_CACHE=" in argument for kind, argument in instructions)
     [command] = [argument for kind, argument in instructions if kind == "CMD"]
     assert '"tritonllm", "serve", "--host", "0.0.0.0", "--port", "9000"' in command
+    # one door: serve keeps tritonserver on the container's loopback, so only the adapter's port is offered
+    assert [argument for kind, argument in instructions if kind == "EXPOSE"] == ["9000"]
+    assert "--triton-host" not in command
 
 
 def test_the_adapter_image_has_no_torch():
