@@ -38,7 +38,7 @@ _STACK_PLACE_SETTINGS = ("host", "port", "triton_host", "http_port", "grpc_port"
 _API_KEY_SETTINGS = ("api_key", "api_key_file")
 _ALL_BUT_API_KEY = tuple(field.name for field in settings.settings_fields(AdapterSettings)
                          if field.name not in _API_KEY_SETTINGS)
-# ServeSettings of tritonserver alone.
+# ServeSettings that are not tritonserver's (its address, ports and state dir are).
 _ALL_BUT_TRITON_PLACE = ("host", "port", "log_level")
 
 
