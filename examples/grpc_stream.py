@@ -13,6 +13,7 @@ import queue
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tritonllm.interface.api_key import API_KEY_ENV, read_api_key, triton_headers
 
@@ -45,7 +46,10 @@ def main() -> None:
     client = grpcclient.InferenceServerClient(args.url)
     # A decoupled model answers only streaming RPCs; each new piece of text is one response.
     client.start_stream(callback=lambda result, error: responses.put((result, error)), headers=headers)
-    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    try:
+        client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    except InferenceServerException:  # the stream was refused at once (e.g. no API key): the callback says why
+        pass
     tokens = 0
     while True:
         result, error = responses.get()
