@@ -3,6 +3,9 @@
 #
 #   docker build -t tritonllm:0.1.0 .
 #   docker run --gpus 1 --shm-size 1g -p 9000:9000 tritonllm:0.1.0     # tritonllm serve on port 9000
+#   docker run ... -e TRITONLLM_API_KEY tritonllm:0.1.0                # clients must send the key (docs/security.md)
+#
+# Under the default command tritonserver listens on the container's loopback: the adapter (9000) is the one door.
 #
 # The base tag is the tritonserver release whose Python backend the engine is tested with (2.51 = 24.10).
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
@@ -40,7 +43,7 @@ RUN python3 -m pip install -e ".[backend,adapter]" \
 USER 1000
 RUN HF_HUB_OFFLINE=0 tritonllm prepare
 
-EXPOSE 9000 8000 8001 8002
+EXPOSE 9000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=5m --retries=3 \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9000/health')"]
 CMD ["tritonllm", "serve", "--host", "0.0.0.0", "--port", "9000", "--state-dir", "/tmp/tritonllm"]

@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tritonllm.launcher import answers_ok, log_tail
 from tritonllm.model_files import served_model_name
@@ -214,19 +215,22 @@ def _grpc_inputs(prompt: str, params: dict | str, stream: bool, flags: dict[str,
     return inputs
 
 
-def grpc_generate(stack, prompt: str, params: dict | str, stream: bool, **flags: bool
-                  ) -> tuple[list, Exception | None]:
+def grpc_generate(stack, prompt: str, params: dict | str, stream: bool, headers: dict[str, str] | None = None,
+                  **flags: bool) -> tuple[list, Exception | None]:
     """One request on its own gRPC stream: (responses carrying outputs, error or None). `flags` are more BOOL
-    inputs (e.g. return_logprobs=True, exclude_input_in_output=False)."""
-    return grpc_stream(stack, _grpc_inputs(prompt, params, stream, flags))
+    inputs (e.g. return_logprobs=True, exclude_input_in_output=False); `headers` go with the stream."""
+    return grpc_stream(stack, _grpc_inputs(prompt, params, stream, flags), headers)
 
 
-def grpc_stream(stack, inputs: list) -> tuple[list, Exception | None]:
+def grpc_stream(stack, inputs: list, headers: dict[str, str] | None = None) -> tuple[list, Exception | None]:
     """`inputs` as one request on its own gRPC stream: (responses carrying outputs, error or None)."""
     client = grpcclient.InferenceServerClient(stack.grpc_url)
     events: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    client.start_stream(callback=lambda result, error: events.put((result, error)), headers=headers)
+    try:
+        client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+    except InferenceServerException:  # the stream was refused at once (e.g. no API key): the callback says why
+        pass
     responses = []
     try:
         while True:

@@ -128,3 +128,13 @@ def test_openapi_describes_the_completions_route(client):
     assert operation["responses"]["413"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
     assert operation["security"] == [{"HTTPBearer": []}]
     assert "security" not in schema["paths"]["/health"]["get"]
+
+
+def test_metrics_are_open_by_default_and_behind_the_key_when_asked(client):
+    assert client.get("/metrics").status_code == 200  # as vLLM: a scraper needs no key unless told
+    with _client(api_key=KEY, metrics_require_key=True) as keyed:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            error = _error(keyed.get("/metrics", headers=headers), 401)
+            assert error["code"] == "invalid_api_key"
+        assert "tritonllm_adapter" in keyed.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        assert keyed.get("/health").status_code == 503  # open (Triton is down), never 401

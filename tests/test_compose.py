@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tritonllm import cli
+from tritonllm.interface.api_key import API_KEY_ENV
 from tritonllm.interface.metric_names import ALL_NAMES
 from tritonllm.adapter.settings import AdapterSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+EXPOSE_FILE = REPO_ROOT / "docker-compose.expose.yml"
 SCALE_FILE = REPO_ROOT / "docker-compose.scale.yml"
 STACK_DOCKERFILE = REPO_ROOT / "Dockerfile"
 ADAPTER_DOCKERFILE = REPO_ROOT / "Dockerfile.adapter"
@@ -71,6 +74,9 @@ def test_the_stack_image_is_triton_with_the_engine_and_the_default_model_built_i
     assert any(setting.startswith("TRITONLLM_CACHE=/") for setting in env)
     [command] = [argument for kind, argument in instructions if kind == "CMD"]
     assert '"tritonllm", "serve", "--host", "0.0.0.0", "--port", "9000"' in command
+    # one door: serve keeps tritonserver on the container's loopback, so only the adapter's port is offered
+    assert [argument for kind, argument in instructions if kind == "EXPOSE"] == ["9000"]
+    assert "--triton-host" not in command
 
 
 def test_the_adapter_image_has_no_torch():
@@ -138,7 +144,8 @@ def test_triton_service_wiring():
     volumes = triton["volumes"]
     command = " ".join(triton["command"])
     assert "tritonllm write-repository /tmp/model_repository" in command
-    assert "exec tritonserver --model-repository=/tmp/model_repository" in command
+    # `tritonllm tritonserver`: tritonserver guarded by the API key as under serve, reachable from the adapter
+    assert "exec tritonllm tritonserver /tmp/model_repository --triton-host 0.0.0.0" in command
     assert any(re.match(r"\$\{MODEL_DIR[:}]", volume) for volume in volumes), "no host model dir from MODEL_DIR"
     health = " ".join(triton["healthcheck"]["test"])
     assert re.search(r":8000/v2/(health|models/llm)/ready", health)
@@ -164,6 +171,58 @@ def test_lora_dir_reaches_the_engine_and_the_adapter():
     assert services["triton"]["environment"]["TRITONLLM_LORA_DIR"] == "${LORA_DIR:+/adapters}"
     command = " ".join(services["adapter"]["command"])
     assert "${LORA_DIR:+--lora-dir /adapters}" in command and "--triton-metrics-url http://triton:8002/metrics" in command
+
+
+# --- the doors: only the OpenAI API is published beyond this host; the API key reaches every service ---------------
+
+def _published(service: dict) -> list[tuple[str, str]]:
+    """(host address, container port) of each published port; an address-less mapping is every interface."""
+    published = []
+    for mapping in service.get("ports", []):
+        *host, container = str(mapping).split(":")
+        published.append((host[0] if len(host) == 2 else "0.0.0.0", container))
+    return published
+
+
+def test_only_the_openai_api_is_published_beyond_loopback():
+    for compose_file, front_door in ((COMPOSE_FILE, "adapter"), (SCALE_FILE, "gateway")):
+        for name, service in _services(compose_file).items():
+            for address, port in _published(service):
+                assert (address, port) == ("0.0.0.0", "9000") and name == front_door or address == "127.0.0.1", \
+                    f"{compose_file.name}: {name} publishes {port} on {address}"
+    triton = _services()["triton"]
+    assert sorted(port for _, port in _published(triton)) == ["8000", "8001", "8002"]
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's merge tags (`!override`, `!reset`), read as plain values."""
+
+
+_ComposeLoader.add_multi_constructor("!", lambda loader, tag, node: loader.construct_sequence(node))
+
+
+def test_the_expose_override_opens_tritons_ports_and_replaces_the_loopback_ones():
+    text = EXPOSE_FILE.read_text()
+    services = yaml.load(text, Loader=_ComposeLoader)["services"]
+    assert set(services) == {"triton"} and "ports: !override" in text  # added to the base list, each bound twice
+    assert sorted(_published(services["triton"])) == [("0.0.0.0", port) for port in ("8000", "8001", "8002")]
+
+
+def test_the_api_key_reaches_every_service_from_the_environment_never_a_command_line():
+    services = {**_services(), **{f"scale {name}": service for name, service in _services(SCALE_FILE).items()}}
+    for name, service in services.items():
+        if _monitoring(service):
+            continue
+        assert service["environment"][API_KEY_ENV] == f"${{{API_KEY_ENV}:-}}", name  # unset: no key, as before
+        assert "api-key" not in " ".join(service["command"]), name
+
+
+def test_the_triton_service_runs_tritonserver_as_the_cli_parses_it():
+    command = _services()["triton"]["command"][-1].split("exec ", 1)[1].split()
+    assert command[0] == "tritonllm"
+    args = cli.build_parser().parse_args(command[1:])
+    assert (args.command, args.triton_host, args.http_port, args.grpc_port, args.metrics_port) == (
+        "tritonserver", "0.0.0.0", 8000, 8001, 8002)
 
 
 # --- docker-compose.scale.yml: stacks behind the SMG gateway ------------------------------------------------------

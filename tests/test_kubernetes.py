@@ -5,6 +5,7 @@ probes, selectors, the gateway's stacks, the settings the stacks read, and the i
 from __future__ import annotations
 
 import argparse
+import base64
 import inspect
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ from tritonllm.adapter.settings import AdapterSettings
 from tritonllm import cli
 from tritonllm.cli import ServeSettings
 from tritonllm.gateway import GatewaySettings
+from tritonllm.interface.api_key import API_KEY_ENV
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = REPO_ROOT / "deploy" / "kubernetes"
@@ -59,13 +61,22 @@ def _command(workload: dict) -> argparse.Namespace:
     return cli.build_parser().parse_args(args[1:])
 
 
+def _generated_secrets() -> list[dict]:
+    """The Secrets kustomize makes from the kustomization's secretGenerator, each file's content as a value (the
+    files themselves are the user's, git-ignored: a stand-in value here)."""
+    return [{"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": generator["name"]},
+             "data": {name: base64.b64encode(b"stand-in").decode() for name in generator["files"]}}
+            for generator in KUSTOMIZATION.get("secretGenerator", [])]
+
+
 def test_the_kustomization_lists_every_manifest():
     on_disk = {path.name for path in MANIFESTS.glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(KUSTOMIZATION["resources"]) == sorted(on_disk)
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("document", _documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+@pytest.mark.parametrize("document", _documents() + _generated_secrets(),
+                         ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
 def test_each_manifest_is_valid_against_the_kubernetes_schemas(document, version):
     kubernetes_validate.validate(document, version, strict=True)  # raises on an unknown or mistyped field
 
@@ -163,6 +174,69 @@ def test_the_config_map_sets_only_real_settings():
     assert set(config["data"]) <= known
     mounts = {mount["name"]: mount["mountPath"] for mount in _container(STACKS)["volumeMounts"]}
     assert config["data"]["TRITONLLM_LORA_DIR"] == mounts["adapters"]
+
+
+# --- the doors: the API key from a Secret, and who may reach which port ------------------------------------------
+
+def _policy(workload: dict) -> dict:
+    """The NetworkPolicy that selects the workload's pods (exactly one)."""
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    [policy] = [d for d in _documents() if d["kind"] == "NetworkPolicy"
+                and d["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    return policy
+
+
+def _admitted(workload: dict) -> set[tuple[str, str]]:
+    """(who, port name) pairs the workload's policy admits: who is a workload's name, `ns:<namespace>`, or `any`."""
+    workloads = {STACKS["metadata"]["name"]: STACKS, GATEWAY["metadata"]["name"]: GATEWAY}
+    ports = _ports(_container(workload))
+    admitted = set()
+    for rule in _policy(workload)["spec"]["ingress"]:
+        peers = []
+        for peer in rule.get("from", [{}]):
+            if "podSelector" in peer:
+                selector = peer["podSelector"]["matchLabels"].items()
+                [name] = [name for name, other in workloads.items()
+                          if selector <= other["spec"]["template"]["metadata"]["labels"].items()]
+                peers.append(name)
+            elif "namespaceSelector" in peer:
+                peers.append("ns:" + peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"])
+            else:
+                peers.append("any")
+        assert "ports" in rule, "a rule without ports admits every port"
+        for port in rule["ports"]:
+            assert port["port"] in ports, f"the policy names a port the pod lacks: {port['port']}"
+            admitted |= {(peer, port["port"]) for peer in peers}
+    return admitted
+
+
+def test_only_the_gateway_reaches_a_stacks_api_and_monitoring_its_metrics():
+    gateway = GATEWAY["metadata"]["name"]
+    # 9000 for monitoring too: the adapter's /metrics is there (every other route asks for the key)
+    assert _admitted(STACKS) == {(gateway, "http"), ("ns:monitoring", "metrics"), ("ns:monitoring", "http")}
+    # Triton's own APIs: no pod but its own (the kubelet's probes come from the node)
+    assert not {port for _, port in _admitted(STACKS)} & {"triton-http", "triton-grpc"}
+    assert _admitted(GATEWAY) == {("any", "http"), ("ns:monitoring", "metrics")}
+
+
+def test_the_key_comes_from_a_secret_as_a_file():
+    [secret] = _generated_secrets()
+    [key_file] = secret["data"]
+    assert (MANIFESTS / key_file).relative_to(REPO_ROOT).as_posix() in (REPO_ROOT / ".gitignore").read_text()
+    for workload in (STACKS, GATEWAY):
+        container = _container(workload)
+        volumes = {volume["name"]: volume for volume in workload["spec"]["template"]["spec"]["volumes"]}
+        [mount] = [mount for mount in container["volumeMounts"]
+                   if volumes[mount["name"]].get("secret", {}).get("secretName") == secret["metadata"]["name"]]
+        assert mount["readOnly"]
+        env = {variable["name"]: variable for variable in container["env"]}
+        assert env[API_KEY_ENV + "_FILE"]["value"] == f"{mount['mountPath']}/{key_file}"
+        assert API_KEY_ENV not in env and not any("secretRef" in ref for ref in container.get("envFrom", []))
+        command = _command(workload)
+        assert command.api_key is None and command.api_key_file is None  # nothing on the command line
+    config = _one("ConfigMap", "tritonllm-config")
+    assert not [name for name in config["data"] if "KEY" in name]
 
 
 def test_the_images_are_those_the_compose_files_build():

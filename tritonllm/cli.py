@@ -1,8 +1,8 @@
 """The `tritonllm` console script: `prepare` converts the default model once; `serve` runs tritonserver with
 the `llm` model and the OpenAI-compatible adapter in front of it, and stops both together; `gateway` runs the
 SMG gateway over stacks (tritonllm/gateway.py); `scale-out` runs several stacks behind one and stops them all
-together (tritonllm/scale_out.py); `write-repository` only writes the model repository, for a tritonserver run
-some other way (docker-compose.yml)."""
+together (tritonllm/scale_out.py); `write-repository` only writes the model repository, and `tritonserver` runs
+tritonserver over it as `serve` would (its own container: docker-compose.yml)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from pathlib import Path
 from tritonllm import launcher, model_files
 from tritonllm.engine.config import EngineConfig, InstanceGroup
 from tritonllm.interface import settings
+from tritonllm.interface.api_key import read_api_key
 from tritonllm.interface.settings import setting
 from tritonllm.adapter.settings import AdapterSettings
-from tritonllm.gateway import GatewaySettings, gateway_command
+from tritonllm.gateway import GatewaySettings, gateway_command, gateway_env
 from tritonllm.scale_out import Fleet, FleetError, ScaleOutSettings
 
 log = logging.getLogger("tritonllm")
@@ -33,8 +34,12 @@ READY_TIMEOUT_S = 600  # generous: a large model loading on a slow host
 _DERIVED_ADAPTER_SETTINGS = ("triton_url", "triton_model", "lora_dir", "triton_metrics_url")
 # ServeSettings that `scale-out` decides for each stack.
 _STACK_PLACE_SETTINGS = ("host", "port", "triton_host", "http_port", "grpc_port", "metrics_port")
-# The one AdapterSettings the gateway needs too: the stacks' API key.
-_ALL_BUT_API_KEY = tuple(field.name for field in settings.settings_fields(AdapterSettings) if field.name != "api_key")
+# The AdapterSettings the gateway and tritonserver need too: the stacks' API key.
+_API_KEY_SETTINGS = ("api_key", "api_key_file")
+_ALL_BUT_API_KEY = tuple(field.name for field in settings.settings_fields(AdapterSettings)
+                         if field.name not in _API_KEY_SETTINGS)
+# ServeSettings that are not tritonserver's (its address, ports and state dir are).
+_ALL_BUT_TRITON_PLACE = ("host", "port", "log_level")
 # The one EngineConfig setting `prepare` needs: the model.
 _ALL_BUT_MODEL = tuple(field.name for field in settings.settings_fields(EngineConfig) if field.name != "model_path")
 
@@ -90,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     repository.add_argument("repository", type=Path, help="folder to write llm/ into")
     settings.add_options(repository, EngineConfig)
     settings.add_options(repository, InstanceGroup)
+
+    tritonserver = commands.add_parser(
+        "tritonserver", help="become tritonserver for a repository from write-repository, its protocols guarded by "
+                             "the API key as under serve (e.g. in a container of its own)")
+    tritonserver.add_argument("repository", type=Path, help="the folder holding llm/")
+    settings.add_options(tritonserver, ServeSettings, exclude=_ALL_BUT_TRITON_PLACE)
+    settings.add_options(tritonserver, AdapterSettings, exclude=_ALL_BUT_API_KEY)
     return parser
 
 
@@ -163,8 +175,8 @@ def serve(args: argparse.Namespace) -> int:
         repository = state_dir / "model_repository"
         model_name = _write_repository(args, repository)
 
-        server = launcher.TritonServer(repository, state_dir, host=args.triton_host, http_port=args.http_port,
-                                       grpc_port=args.grpc_port, metrics_port=args.metrics_port)
+        server = _triton_server(args, repository, state_dir)
+        adapter_settings = _adapter_settings(args, server, model_name)  # checked before the long start
         log.info("starting tritonserver on %s (gRPC %s), log: %s", server.http_url, server.grpc_url, server.log_path)
         started = time.monotonic()
         server.start()
@@ -176,7 +188,7 @@ def serve(args: argparse.Namespace) -> int:
             os.kill(os.getpid(), signal.SIGTERM)  # stops the adapter the way a user would
 
         server.on_unexpected_exit(on_server_death)
-        _run_adapter(args, server, model_name)
+        _run_adapter(args, adapter_settings)
     except _Stop as stop:
         if not server_died.is_set():
             log.info("stopping (%s)", stop)
@@ -193,11 +205,20 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _triton_server(args: argparse.Namespace, repository: Path, state_dir: Path) -> launcher.TritonServer:
+    return launcher.TritonServer(repository, state_dir, host=args.triton_host, http_port=args.http_port,
+                                 grpc_port=args.grpc_port, metrics_port=args.metrics_port, api_key=args.api_key)
+
+
+def tritonserver(args: argparse.Namespace) -> int:
+    _triton_server(args, args.repository.resolve(), _state_dir(args.state_dir)).exec()
+
+
 def gateway(args: argparse.Namespace) -> int:
-    command = gateway_command(settings.from_options(GatewaySettings, args), args.api_key)
+    command = gateway_command(settings.from_options(GatewaySettings, args))
     log.info("gateway: smg --policy %s on http://%s:%d/v1 over %s", args.policy, args.host, args.port,
              args.worker_urls)
-    os.execv(command[0], command)  # becomes smg: its signals, its exit code
+    os.execve(command[0], command, gateway_env(args.api_key))  # becomes smg: its signals, its exit code
 
 
 def scale_out(args: argparse.Namespace) -> int:
@@ -229,14 +250,17 @@ def scale_out(args: argparse.Namespace) -> int:
             fleet.stop()
 
 
-def _run_adapter(args: argparse.Namespace, server: launcher.TritonServer, model_name: str) -> None:
-    from tritonllm.adapter.app import run
-
-    adapter_settings = settings.from_options(
+def _adapter_settings(args: argparse.Namespace, server: launcher.TritonServer, model_name: str) -> AdapterSettings:
+    return settings.from_options(
         AdapterSettings, args, triton_url=server.grpc_url, triton_model=launcher.MODEL_NAME,
         served_model_name=model_name, lora_dir=_lora_dir(args.lora_dir) or None,
         triton_metrics_url=server.metrics_url)
-    log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, model_name)
+
+
+def _run_adapter(args: argparse.Namespace, adapter_settings: AdapterSettings) -> None:
+    from tritonllm.adapter.app import run
+
+    log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, adapter_settings.served_model_name)
     run(adapter_settings, args.host, args.port, args.log_level)
 
 
@@ -245,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"prepare": prepare, "serve": serve, "gateway": gateway, "scale-out": scale_out,
-                "write-repository": write_repository}
+                "write-repository": write_repository, "tritonserver": tritonserver}
     try:
+        if hasattr(args, "api_key_file"):  # read once, here: the commands and their children get the key itself
+            args.api_key, args.api_key_file = read_api_key(args.api_key, args.api_key_file), None
         return commands[args.command](args)
     except (FileNotFoundError, ValueError) as error:  # a bad --model (hub failures too) or a missing tritonserver
         log.error("%s", error)

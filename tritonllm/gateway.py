@@ -7,12 +7,14 @@ starts itself."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from tritonllm.interface.api_key import API_KEY_ENV
 from tritonllm.interface.settings import setting
 
 SHUTDOWN_GRACE_S = 5  # SMG would otherwise wait up to 180 s for in-flight requests on SIGTERM
@@ -43,16 +45,21 @@ class GatewaySettings:
         return f"http://{host}:{self.port}"
 
 
-def gateway_command(config: GatewaySettings, api_key: str | None = None) -> list[str]:
-    """`smg launch` as configured. With the stacks' api_key, the gateway asks clients for the same key and
-    presents it to the stacks."""
+def gateway_command(config: GatewaySettings) -> list[str]:
+    """`smg launch` as configured, through this module's `main` (see there), with `gateway_env`."""
     if not config.urls:
         raise ValueError("the gateway needs the stacks' addresses (--worker-urls)")
-    return [sys.executable, "-m", "smg", "launch", "--host", config.host, "--port", str(config.port),
+    return [sys.executable, "-m", "tritonllm.gateway", "launch", "--host", config.host, "--port", str(config.port),
             "--worker-urls", *config.urls, "--policy", config.policy,
             "--prometheus-host", config.host, "--prometheus-port", str(config.metrics_port),
-            "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_S), *shlex.split(config.options),
-            *(["--api-key", api_key] if api_key else [])]
+            "--shutdown-grace-period-secs", str(SHUTDOWN_GRACE_S), *shlex.split(config.options)]
+
+
+def gateway_env(api_key: str | None) -> dict[str, str]:
+    """The gateway's environment: with the stacks' API key, it asks clients for the same key and presents it to
+    the stacks."""
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    return env if api_key is None else {**env, API_KEY_ENV: api_key}
 
 
 def routes_to_every_stack(config: GatewaySettings, api_key: str | None = None) -> bool:
@@ -65,3 +72,16 @@ def routes_to_every_stack(config: GatewaySettings, api_key: str | None = None) -
     except (urllib.error.URLError, OSError, ValueError, KeyError):
         return False
     return {worker["url"] for worker in workers if worker.get("is_healthy")} >= set(config.urls)
+
+
+def main() -> None:
+    """smg with the key of the environment: smg takes it only as --api-key, added here inside the process, so no
+    command line (ps) shows it."""
+    from smg.cli import main as smg_main
+
+    api_key = os.environ.pop(API_KEY_ENV, None)
+    smg_main([*sys.argv[1:], *(["--api-key", api_key] if api_key else [])])
+
+
+if __name__ == "__main__":
+    main()

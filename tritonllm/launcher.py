@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from tritonllm.engine.config import InstanceGroup
+from tritonllm.interface.api_key import API_KEY_ENV, RESTRICTED_APIS, TRITON_KEY_HEADER, triton_headers, triton_secret
 from tritonllm.parent_death import die_with_parent
 
 MODEL_NAME = "llm"
@@ -93,6 +94,7 @@ def build_backend_dir(tritonserver: Path, state_dir: Path) -> Path:
 def server_env(tritonserver: Path) -> dict[str, str]:
     """Environment for tritonserver, whose Python stubs must run this interpreter's environment."""
     env = dict(os.environ)
+    env.pop(API_KEY_ENV, None)  # tritonserver gets a value derived from it (restriction_options), never the key
     # The stub locates its site-packages from the `python3` it finds on PATH: make that ours (the venv's).
     env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
     # The stub must load this interpreter's libpython, else it takes the system one and stdlib extensions
@@ -152,6 +154,15 @@ def write_model_repository(repository: Path, engine_parameters: dict[str, str],
     return repository
 
 
+def restriction_options(api_key: str | None) -> list[str]:
+    """tritonserver's options that make every API but health require the API key's header (HTTP and gRPC); none
+    without a key."""
+    if api_key is None:
+        return []
+    restriction = f"{','.join(RESTRICTED_APIS)}:{TRITON_KEY_HEADER}={triton_secret(api_key)}"
+    return [f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
+
+
 # --- the server process -------------------------------------------------------------------------------------
 
 def answers_ok(url: str) -> bool:
@@ -183,7 +194,7 @@ class TritonServer:
 
     def __init__(self, model_repository: Path, state_dir: Path, *, host: str = "127.0.0.1",
                  http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-                 tritonserver: Path | None = None, exit_timeout_s: int = 10):
+                 tritonserver: Path | None = None, exit_timeout_s: int = 10, api_key: str | None = None):
         self.model_repository = model_repository
         self.state_dir = state_dir
         self.host = host
@@ -192,6 +203,7 @@ class TritonServer:
         self.metrics_port = metrics_port
         self.tritonserver = tritonserver or find_tritonserver()
         self.exit_timeout_s = exit_timeout_s
+        self.api_key = api_key
         self.log_path = state_dir / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         self._stopping = threading.Event()
@@ -215,6 +227,11 @@ class TritonServer:
         return f"http://{self.local_host}:{self.metrics_port}/metrics"
 
     @property
+    def headers(self) -> dict[str, str]:
+        """What every call to this server sends (its health API excepted, which is open)."""
+        return triton_headers(self.api_key)
+
+    @property
     def shm_region_prefix(self) -> str:
         return f"tritonllm_{self.grpc_port}_"
 
@@ -231,6 +248,7 @@ class TritonServer:
             # each tritonserver on the host (as its gRPC port is), so several never share a region, and a region
             # left by a killed server names its owner.
             f"--backend-config=python,shm-region-prefix-name={self.shm_region_prefix}",
+            *restriction_options(self.api_key),
         ]
 
     def _check_ports_free(self) -> None:
@@ -255,6 +273,11 @@ class TritonServer:
                 # Own process group: a terminal's Ctrl-C reaches only us, and we stop the server in order.
                 # If the launcher is killed outright, tritonserver stops too instead of holding the ports.
                 start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+
+    def exec(self) -> None:
+        """Become tritonserver (a container's main process: its signals, its exit code, its log on stdout)."""
+        command = self._command(build_backend_dir(self.tritonserver, self.state_dir))
+        os.execve(command[0], command, server_env(self.tritonserver))
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None

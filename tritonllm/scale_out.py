@@ -22,7 +22,8 @@ from pathlib import Path
 from tritonllm.interface.settings import setting
 from tritonllm.launcher import answers_ok, log_tail
 from tritonllm.parent_death import die_with_parent
-from tritonllm.gateway import SHUTDOWN_GRACE_S, GatewaySettings, gateway_command, routes_to_every_stack
+from tritonllm.gateway import (SHUTDOWN_GRACE_S, GatewaySettings, gateway_command, gateway_env,
+                               routes_to_every_stack)
 
 log = logging.getLogger("tritonllm.scale_out")
 
@@ -120,8 +121,8 @@ class Fleet:
         self.stacks = [self._stack(place, stack_env, log_level) for place in self.places]
         self.gateway_config = dataclasses.replace(gateway, worker_urls=",".join(place.url for place in self.places))
         self.api_key = api_key
-        self.gateway = Child("gateway", gateway_command(self.gateway_config, api_key), state_dir / "gateway.log",
-                             dict(os.environ))
+        self.gateway = Child("gateway", gateway_command(self.gateway_config), state_dir / "gateway.log",
+                             gateway_env(api_key))
 
     @staticmethod
     def _stack(place: StackPlace, stack_env: dict[str, str], log_level: str) -> Child:

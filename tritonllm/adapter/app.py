@@ -205,8 +205,8 @@ def create_app(settings: AdapterSettings) -> FastAPI:
                                       "the server (its log says why).")
         return {"status": "ok"}
 
-    # Outside /v1, so a Prometheus scraper needs no API key.
-    @app.get("/metrics", include_in_schema=False)
+    # Outside /v1: a Prometheus scraper needs no API key unless asked (as vLLM's); /health never does (probes).
+    @app.get("/metrics", include_in_schema=False, dependencies=auth if settings.metrics_require_key else [])
     async def prometheus_metrics() -> Response:
         return metrics.response(relayed(await engine_metrics() or []))
 

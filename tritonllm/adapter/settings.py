@@ -3,6 +3,7 @@ their options (with env vars and help) from these fields."""
 
 from dataclasses import dataclass
 
+from tritonllm.interface.api_key import read_api_key
 from tritonllm.interface.settings import setting
 
 
@@ -23,8 +24,11 @@ class AdapterSettings:
     health_timeout_s: float = setting(2.0, "seconds /health may wait for Triton's readiness answers",
                                       option="health-timeout")
     api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on the API routes (/v1, /tokenize, "
-                                  "/detokenize, /invocations; unset: no auth)",
-                                  secret=True)
+                                  "/detokenize, /invocations) and a header derived from it on Triton's own (all "
+                                  "but health); unset: no auth. A command line shows in ps: prefer the variable "
+                                  "or --api-key-file", secret=True)
+    api_key_file: str | None = setting(None, "read the API key from this file (e.g. a mounted Secret)")
+    metrics_require_key: bool = setting(False, "/metrics requires the API key too (/health never does)")
     max_body_bytes: int = setting(4 * 1024 * 1024, "largest request body in bytes (413 beyond)")
     max_prompts: int = setting(64, "prompts in one batched request (each becomes its own Triton request)")
     max_n: int = setting(16, "largest n")
@@ -37,3 +41,10 @@ class AdapterSettings:
                                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
     triton_metrics_url: str | None = setting(None, "tritonserver's metrics endpoint, e.g. "
                                                    "http://127.0.0.1:8002/metrics (engine load, loaded adapters)")
+
+    def __post_init__(self) -> None:
+        # The key, read once; a keyed /metrics without a key would be open while it claims not to be.
+        object.__setattr__(self, "api_key", read_api_key(self.api_key, self.api_key_file))
+        object.__setattr__(self, "api_key_file", None)
+        if self.metrics_require_key and self.api_key is None:
+            raise ValueError("--metrics-require-key needs an API key (--api-key-file or TRITONLLM_API_KEY)")

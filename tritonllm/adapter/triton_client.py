@@ -23,6 +23,7 @@ from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, triton_to_np_dtype
 
+from tritonllm.interface.api_key import triton_headers
 from tritonllm.interface.errors import decode
 from tritonllm.interface.tensors import RUNNING
 from tritonllm.adapter.errors import AdapterError, from_kind, gateway_timeout, internal_error, service_unavailable
@@ -122,6 +123,8 @@ class TritonClient:
     def __init__(self, settings: AdapterSettings) -> None:
         self._settings = settings
         self._client = InferenceServerClient(settings.triton_url, channel_args=_CHANNEL_ARGS)
+        # With an API key, Triton requires its header on every call but health (tritonllm/interface/api_key.py).
+        self._headers = triton_headers(settings.api_key)
         self._refusal: AdapterError | None = None  # set by cancel_all: what every call gets from then on
         self._waiting: set[asyncio.Task] = set()  # the tasks waiting for a response now
         self._refused: set[asyncio.Task] = set()  # those of them cancel_all cancelled
@@ -156,7 +159,7 @@ class TritonClient:
         timeout = self._settings.health_timeout_s
         try:
             config = await asyncio.wait_for(self._client.get_model_config(
-                self._settings.triton_model, as_json=True, client_timeout=timeout), timeout)
+                self._settings.triton_model, headers=self._headers, as_json=True, client_timeout=timeout), timeout)
             return config["config"]["parameters"]["model_path"]["string_value"]
         except (InferenceServerException, TimeoutError):
             return None
@@ -196,7 +199,7 @@ class TritonClient:
         async def requests() -> AsyncIterator[dict]:
             yield request
 
-        responses = self._client.stream_infer(requests())
+        responses = self._client.stream_infer(requests(), headers=self._headers)
         try:
             while (response := await self._next_response(responses)) is not None:
                 result, error = response
