@@ -221,7 +221,21 @@ def test_unknown_field_is_400_naming_it(client, route, body, field):
         assert (error["param"], error["message"]) == (field, f"Unrecognized request argument supplied: {field}")
 
 
-@pytest.mark.parametrize("field, value", [("user", 7), ("store", "maybe"), ("metadata", ["a"])])
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "Hello"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+])
+def test_vllm_legacy_fields_are_ignored_with_a_warning(client, route, body, caplog):
+    """vLLM's own suite still sends guided_decoding_backend, which vLLM tolerates: the request runs (here as far as
+    Triton, which is down), and the log says the field changed nothing."""
+    fields = {"guided_decoding_backend": "xgrammar", "mm_processor_kwargs": {"num_crops": 4}}
+    with caplog.at_level("WARNING", logger="tritonllm.adapter.completions"):
+        _error(client.post(route, json={"model": MODEL, **body, **fields}), 503)
+    assert "guided_decoding_backend, mm_processor_kwargs" in caplog.text
+
+
+@pytest.mark.parametrize("field, value", [("user", 7), ("store", "maybe"), ("metadata", ["a"]),
+                                          ("guided_decoding_backend", 3)])
 def test_ignored_fields_still_have_their_type_checked(client, field, value):
     assert _error(_complete(client, **{field: value}), 400)["param"] == field
 
@@ -263,7 +277,8 @@ def test_models_lists_the_served_model(client):
     assert response.status_code == 200
     body = response.json()
     assert body["object"] == "list"
-    assert body["data"] == [{"id": MODEL, "object": "model", "created": body["data"][0]["created"], "owned_by": "tritonllm"}]
+    assert body["data"] == [{"id": MODEL, "object": "model", "created": body["data"][0]["created"], "owned_by": "tritonllm",
+                             "root": MODEL}]  # SGLang's root: the served name, even with Triton down
 
 
 def test_one_model_is_retrieved_by_id_and_others_are_404(client):

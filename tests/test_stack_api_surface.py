@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 from stack_helpers import grpc_generate
 from transformers import AutoTokenizer
@@ -211,16 +212,19 @@ def test_conflicting_or_bad_chat_template_controls_are_400(stack, route, fields,
 # --- /v1/models root, /invocations ----------------------------------------------------------------------------
 
 
-def test_model_entries_have_vllms_root(stack, client, default_model_dir):
+def test_model_entries_root_the_served_name_or_the_adapter_directory(stack, client):
     models = {model.id: model for model in client.models.list().data}
     base = models[stack.model_name]
-    assert _extra(base, "root") == str(default_model_dir)
+    assert _extra(base, "root") == stack.model_name  # SGLang's test_retrieve_model: not a cache path
     adapters = [model for model in models.values() if model.id != stack.model_name]
     assert adapters  # the stack serves the test adapters
     for adapter in adapters:
         name = adapter.id.removeprefix(f"{stack.model_name}:")
         assert _extra(adapter, "root") == str(stack.lora_dir / name) and _extra(adapter, "parent") == stack.model_name
-    assert client.models.retrieve(stack.model_name).model_extra["root"] == str(default_model_dir)
+    retrieved = client.models.retrieve(stack.model_name)
+    assert retrieved.id == stack.model_name and retrieved.model_extra["root"] == stack.model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("non-existent-model")
 
 
 def test_invocations_dispatch_by_body_shape(stack, client):

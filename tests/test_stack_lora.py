@@ -66,9 +66,9 @@ def test_models_lists_adapters_and_which_is_loaded(client, stack, default_model_
         time.sleep(0.25)
     assert list(cards) == [stack.model_name, f"{stack.model_name}:alpha", f"{stack.model_name}:beta"]
     max_model_len = cards[stack.model_name]["max_model_len"]
-    roots = {name: Path(card.pop("root")).resolve() for name, card in cards.items()}  # vLLM's root: where it lives
-    assert roots == {stack.model_name: default_model_dir.resolve(),
-                     f"{stack.model_name}:alpha": (stack.lora_dir / "alpha").resolve(),
+    assert cards[stack.model_name].pop("root") == stack.model_name  # SGLang's root: the served name
+    roots = {name: Path(card.pop("root")).resolve() for name, card in cards.items()}  # vLLM's: where it lives
+    assert roots == {f"{stack.model_name}:alpha": (stack.lora_dir / "alpha").resolve(),
                      f"{stack.model_name}:beta": (stack.lora_dir / "beta").resolve()}
     assert cards[f"{stack.model_name}:beta"] == {"parent": stack.model_name, "loaded": True,
                                                 "max_model_len": max_model_len}

@@ -130,12 +130,12 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     async def list_models(request: Request) -> ModelList:
         """The base model, each LoRA adapter of the directory as `<base>:<adapter>`, then the ones loaded at runtime
         by their names (what `model` accepts)."""
-        return ModelList(data=await model_cards(settings, started, request.app.state.triton, runtime_adapters))
+        return ModelList(data=await model_cards(settings, started, runtime_adapters))
 
     @v1.get("/models/{model:path}", responses=error_responses(*((401, 404) if with_auth else (404,))))
     async def retrieve_model(request: Request, model: str) -> ModelCard:
         """One entry of /v1/models (adapter names may hold slashes); 404 model_not_found for any other."""
-        cards = await model_cards(settings, started, request.app.state.triton, runtime_adapters)
+        cards = await model_cards(settings, started, runtime_adapters)
         card = next((card for card in cards if card.id == model), None)
         if card is None:
             raise model_not_found(model)

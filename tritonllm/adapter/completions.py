@@ -6,6 +6,7 @@ The engine returns the request's `n` choices side by side in every response, so 
 prompt p gets OpenAI index p * n + c (prompt-major).
 """
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +38,8 @@ from tritonllm.adapter.protocol import (
 )
 from tritonllm.adapter.runtime_lora import RuntimeAdapters
 from tritonllm.adapter.triton_client import ChoiceOutput, GenerateRequest, TritonChunk, TritonClient
+
+logger = logging.getLogger(__name__)
 
 
 def engine_prompt_logprobs(request: GenerationRequest) -> int | None:
@@ -316,6 +319,9 @@ class CompletionService:
         unsupported = request.unsupported_parameter()
         if unsupported is not None:
             raise unsupported_parameter(unsupported)
+        ignored = request.ignored_vllm_parameters()
+        if ignored:  # as vLLM's own deprecation warnings: the request runs
+            logger.warning("ignoring the vLLM-only field(s) %s: they change nothing on this server", ", ".join(ignored))
         parameters = sampling_parameters(request)
         if request.stream and request.prompt_logprobs is not None:  # vLLM's rule: chunks carry none
             raise invalid_request("prompt_logprobs cannot be streamed: set stream to false.", "prompt_logprobs")

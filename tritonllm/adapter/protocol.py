@@ -244,8 +244,17 @@ class IgnoredParameters(BaseModel):
     # prefix cache here needs none
 
 
+class IgnoredVllmParameters(BaseModel):
+    """vLLM-only fields that clients written for older vLLM still send and that vLLM itself tolerates: accepted (their
+    type checked) and ignored, but named in a warning (`SamplingRequest.ignored_vllm_parameters`), since a client
+    that sends one may expect it to do something."""
+
+    guided_decoding_backend: str | None = None  # vLLM 0.x's grammar backend per request: this server has one
+    mm_processor_kwargs: dict[str, Any] | None = None  # arguments of a multimodal model's processor: text-only here
+
+
 class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, EngineParameters, IgnoredParameters,
-                      NullMeansDefault):
+                      IgnoredVllmParameters, NullMeansDefault):
     """What completion and chat requests share: the model, the engine's sampling parameters, streaming."""
 
     model_config = ConfigDict(extra="forbid")
@@ -273,6 +282,10 @@ class SamplingRequest(NotYetSupportedParameters, StructuredOutputParameters, Eng
     def unsupported_parameter(self) -> str | None:
         """The first not-yet-supported parameter set to something other than its neutral value."""
         return self._first_non_neutral(NotYetSupportedParameters)
+
+    def ignored_vllm_parameters(self) -> list[str]:
+        """The vLLM-only fields this request sets, which it will not get."""
+        return [name for name in IgnoredVllmParameters.model_fields if getattr(self, name) is not None]
 
     def _first_non_neutral(self, group: type[BaseModel]) -> str | None:
         for name, field in group.model_fields.items():
@@ -839,7 +852,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tritonllm"
     root: str | None = None
-    """vLLM's: the base model's path, a LoRA adapter's directory; absent when Triton cannot be asked."""
+    """The base model's served name (as SGLang), a LoRA adapter's directory (as vLLM)."""
     parent: str | None = None
     """A LoRA adapter's base model (vLLM's field); absent for the base model."""
     max_model_len: int | None = None

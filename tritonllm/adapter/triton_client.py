@@ -153,17 +153,6 @@ class TritonClient:
         except Exception:
             return False
 
-    async def model_path(self) -> str | None:
-        """The engine's model directory (its config.pbtxt `model_path`); None when Triton does not answer within
-        health_timeout_s."""
-        timeout = self._settings.health_timeout_s
-        try:
-            config = await asyncio.wait_for(self._client.get_model_config(
-                self._settings.triton_model, headers=self._headers, as_json=True, client_timeout=timeout), timeout)
-            return config["config"]["parameters"]["model_path"]["string_value"]
-        except (InferenceServerException, TimeoutError):
-            return None
-
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[TritonChunk]:
         """Run one generation request, yielding each of the model's responses.
 
