@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from test_adapter_completions import ScriptedTriton
 from tritonllm.adapter.chat import ChatService
-from tritonllm.adapter.completions import sampling_parameters
+from tritonllm.adapter.completions import CompletionService, sampling_parameters
 from tritonllm.adapter.errors import AdapterError
 from tritonllm.adapter.protocol import (
     ChatCompletionRequest,
@@ -16,6 +17,7 @@ from tritonllm.adapter.protocol import (
     CompletionResponse,
     parse_request,
 )
+from tritonllm.adapter.triton_client import ChoiceOutput, TritonChunk
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -90,3 +92,35 @@ async def test_stream_puts_role_in_each_choice_first_chunk_only():
     ]
     [entry] = out[0].choices[0].logprobs.content
     assert entry.bytes == list("é".encode()) and [top.token for top in entry.top_logprobs] == ["é", "e"]
+
+
+def _reasoning_script() -> ScriptedTriton:
+    """A reasoning model's chat as the engine sends it: reasoning, then the answer; the reasoning token count a
+    running total."""
+    return ScriptedTriton({str(MESSAGES): [
+        TritonChunk([ChoiceOutput("", None, [], 2, None, reasoning="Let me", num_reasoning_tokens=2)], 5, 0, None),
+        TritonChunk([ChoiceOutput("", None, [], 2, None, reasoning=" see.", num_reasoning_tokens=4)], 5, 0, None),
+        TritonChunk([ChoiceOutput("Paris", "stop", [], 1, None, reasoning="", num_reasoning_tokens=4)], 5, 0, None),
+    ]})
+
+
+async def test_reasoning_goes_to_reasoning_content_and_usage_counts_its_tokens():
+    chat = ChatService(CompletionService(_reasoning_script(), "m"))
+    whole = (await chat.complete(_parse())).model_dump()
+    message = whole["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Let me see.", "Paris")
+    assert whole["usage"]["completion_tokens"] == 5
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+    chunks = [chunk.model_dump() async for chunk in chat.stream(_parse(stream=True,
+                                                                       stream_options={"include_usage": True}))]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    assert deltas == [{"role": "assistant", "content": None, "reasoning_content": "Let me"},
+                      {"content": None, "reasoning_content": " see."}, {"content": "Paris"}]
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+
+
+async def test_a_model_without_reasoning_has_no_reasoning_fields():
+    triton = ScriptedTriton({str(MESSAGES): [TritonChunk([ChoiceOutput("Hi", "stop", [], 1, None)], 5, 0, None)]})
+    whole = (await ChatService(CompletionService(triton, "m")).complete(_parse())).model_dump()
+    assert "reasoning_content" not in whole["choices"][0]["message"]
+    assert "completion_tokens_details" not in whole["usage"]

@@ -177,7 +177,8 @@ class _Grammars:
     def __init__(self):
         self.compiled = []
 
-    def compile(self, name, text):
+    def compile(self, name, text, reasoning=None):
+        assert reasoning is None  # (the model's template writes no reasoning tags)
         self.compiled.append((name, text))
         return None
 

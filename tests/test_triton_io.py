@@ -217,3 +217,23 @@ def test_chat_template_controls_are_checked(extra, param):
                                "add_generation_prompt": np.array([False]),
                                "chat_template_kwargs": np.array([b'{"x": 1}'], dtype=np.object_)}).options
     assert (continued.continue_final_message, continued.chat_template_kwargs) == (True, {"x": 1})
+
+
+def test_reasoning_streams_per_choice_and_accumulates_without_streaming():
+    def thought(text, reasoning, tokens, reasoning_tokens, finish=None):
+        return ChoiceDelta(0, text, [], 0.0, tokens, finish, reasoning=reasoning,
+                           num_reasoning_tokens=reasoning_tokens)
+
+    streaming = ResponseBuilder(parse_request(inputs({}, stream=True)))
+    first = streaming.on_output(RequestOutput("r", [thought("", "Let", 1, 1)], 1, 0, False))
+    second = streaming.on_output(RequestOutput("r", [thought("Paris", "", 3, 2, "stop")], 1, 0, True))
+    assert (first["reasoning_output"].tolist(), first["text_output"].tolist()) == ([b"Let"], [b""])
+    assert (second["reasoning_output"].tolist(), second["text_output"].tolist()) == ([b""], [b"Paris"])
+    assert second["num_reasoning_tokens"].tolist() == [2]  # the total so far
+
+    whole = ResponseBuilder(parse_request(inputs({})))
+    assert whole.on_output(RequestOutput("r", [thought("", "Let", 1, 1)], 1, 0, False)) is None
+    final = whole.on_output(RequestOutput("r", [thought("Paris", " me", 3, 2, "stop")], 1, 0, True))
+    assert final["reasoning_output"].tolist() == [b"Let me"] and final["num_reasoning_tokens"].tolist() == [2]
+    plain = ResponseBuilder(parse_request(inputs({})))
+    assert "reasoning_output" not in plain.on_output(RequestOutput("r", [delta(0, "a", "stop")], 1, 0, True))

@@ -61,3 +61,20 @@ def write_tiny_model(directory: Path, tokenizer_dir: Path, model_type: str, seed
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, directory / name)
     return directory
+
+
+# A Qwen3-2507-thinking style template (ChatML): the generation prompt opens the reasoning, or with
+# `enable_thinking: false` closes an empty one, as Qwen3's own template does.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def write_thinking_model(directory: Path, tokenizer_dir: Path) -> Path:
+    """The tiny random Qwen3 with THINKING_TEMPLATE as its chat template."""
+    write_tiny_model(directory, tokenizer_dir, "qwen3")
+    (directory / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return directory

@@ -64,8 +64,10 @@ class ChatService:
 def _message(choice: CompletionChoice, request: ChatCompletionRequest) -> AssistantMessage:
     """OpenAI's answer: content null when the answer is tool calls only."""
     if not choice.tool_calls:
-        return AssistantMessage(role=request.response_role(), content=choice.text)
+        return AssistantMessage(role=request.response_role(), content=choice.text,
+                                reasoning_content=choice.reasoning_content)
     return AssistantMessage(role=request.response_role(), content=choice.text or None,
+                            reasoning_content=choice.reasoning_content,
                             tool_calls=[ToolCall.model_validate(call) for call in choice.tool_calls])
 
 
@@ -82,7 +84,8 @@ def _chat_chunk(chunk: CompletionResponse, started: set[int], request: ChatCompl
                 index=choice.index,
                 # SGLang streams hidden states in the delta (of a chunk of their own)
                 delta=ChatDelta(role=request.response_role() if first else None,
-                                content=None if choice.tool_calls and not choice.text else choice.text,
+                                content=None if (choice.tool_calls or choice.reasoning_content) and not choice.text
+                                else choice.text, reasoning_content=choice.reasoning_content,
                                 tool_calls=[ToolCallDelta.model_validate(delta) for delta in choice.tool_calls or ()]
                                 or None, hidden_states=choice.hidden_states),
                 logprobs=chat_logprobs(choice.logprobs, request.engine_logprobs()) if choice.logprobs else None,

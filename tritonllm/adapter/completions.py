@@ -28,6 +28,7 @@ from tritonllm.adapter.logprobs import LogprobsAccumulator, vllm_prompt_logprobs
 from tritonllm.adapter.protocol import (
     CachedTokensDetails,
     CompletionChoice,
+    CompletionTokensDetails,
     CompletionResponse,
     GenerationRequest,
     SPELLED_OTHERWISE,
@@ -100,6 +101,8 @@ class _ChoiceState:
         self._routed_experts: list[list[list[int]]] | None = [] if request.return_routed_experts else None
         self._token_ids: list[int] | None = [] if request.return_token_ids else None
         self._tool_calls: list[dict] = []  # whole calls (a non-streamed response has them all)
+        self._reasoning_parts: list[str] | None = None  # a reasoning model's chat: its reasoning
+        self.num_reasoning_tokens: int | None = None
         self.prompt_token_ids: list[int] | None = None
         self._unsent_prompt_token_ids = False
 
@@ -137,17 +140,22 @@ class _ChoiceState:
         prompt_token_ids = self.prompt_token_ids if self._unsent_prompt_token_ids else None
         self._text_parts.append(text)
         self._tool_calls.extend(output.tool_calls)
+        if output.reasoning is not None:
+            self._reasoning_parts = (self._reasoning_parts or []) + [output.reasoning]
+        if output.num_reasoning_tokens is not None:
+            self.num_reasoning_tokens = output.num_reasoning_tokens  # (the total so far)
         self.finish_reason = output.finish_reason
         self.matched_stop = output.matched_stop
         self.num_output_tokens += output.num_output_tokens or 0
         logprobs = self._logprobs.add(entries) if self._logprobs else None
-        if not (text or entries or routed_experts or token_ids or prompt_token_ids or output.tool_calls) \
-                and self.finish_reason is None:
+        if not (text or output.reasoning or entries or routed_experts or token_ids or prompt_token_ids
+                or output.tool_calls) and self.finish_reason is None:
             return None
         self._unsent_prompt_token_ids = False
         return CompletionChoice(index=self.index, text=text, logprobs=logprobs, finish_reason=self.finish_reason,
                                 matched_stop=self.matched_stop, routed_experts=routed_experts, token_ids=token_ids,
-                                prompt_token_ids=prompt_token_ids, tool_calls=output.tool_calls)
+                                prompt_token_ids=prompt_token_ids, tool_calls=output.tool_calls,
+                                reasoning_content=output.reasoning or None)
 
     def hidden_states_chunk(self) -> CompletionChoice | None:
         """SGLang's stream shape: a choice's hidden states come once its text has ended, in a chunk of their own
@@ -169,6 +177,7 @@ class _ChoiceState:
             token_ids=self._token_ids,
             prompt_token_ids=self.prompt_token_ids,
             tool_calls=self._tool_calls,
+            reasoning_content="".join(self._reasoning_parts or ()) or None,
         )
 
 
@@ -246,11 +255,13 @@ class CompletionAssembler:
     def usage(self) -> Usage:
         prompt_tokens = sum(self._prompt_tokens)
         completion_tokens = sum(state.num_output_tokens for state in self._choices)
+        reasoning = [state.num_reasoning_tokens for state in self._choices if state.num_reasoning_tokens is not None]
         return Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self._cached_tokens)),
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=sum(reasoning)) if reasoning else None,
         )
 
     def chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:

@@ -687,10 +687,16 @@ class CompletionChoice(_WithHiddenStates):
     `sglext.routed_experts`, not in the choice."""
     tool_calls: list[dict] | None = Field(None, exclude=True)
     """Chat with tools: the choice's tool calls (a stream chunk: their deltas), for chat.py to reshape."""
+    reasoning_content: str | None = Field(None, exclude=True)
+    """A reasoning model's chat: the choice's reasoning (a stream chunk: its new text), for chat.py."""
 
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
 
 
 class Usage(BaseModel):
@@ -698,6 +704,15 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """A reasoning model's chat: the completion tokens its reasoning took (absent otherwise)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_details(self, handler) -> dict:
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 class CachedTokensDetails(BaseModel):
@@ -773,11 +788,14 @@ class AssistantMessage(BaseModel):
     """The final message's role when it is continued (add_generation_prompt false), as vLLM."""
     content: str | None
     """None when the answer is tool calls only (OpenAI's shape)."""
+    reasoning_content: str | None = None
+    """vLLM's and SGLang's: a reasoning model's reasoning, apart from the answer (absent for other models)."""
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent_calls(self, handler) -> dict:
-        return {name: value for name, value in handler(self).items() if value is not None or name != "tool_calls"}
+        return {name: value for name, value in handler(self).items()
+                if value is not None or name not in ("tool_calls", "reasoning_content")}
 
 
 class ChatCompletionChoice(_WithHiddenStates):
@@ -818,7 +836,9 @@ class ChatDelta(BaseModel):
     role: ChatRole | None = None
     """Only in a choice's first chunk."""
     content: str | None
-    """None in a chunk that carries only tool calls."""
+    """None in a chunk that carries only tool calls or reasoning."""
+    reasoning_content: str | None = None
+    """A reasoning model's new reasoning text."""
     tool_calls: list[ToolCallDelta] | None = None
     hidden_states: list[list[float]] | None = None
     """SGLang extension: the choice's hidden states, in a chunk of their own after its text."""
@@ -826,7 +846,7 @@ class ChatDelta(BaseModel):
     @model_serializer(mode="wrap")
     def _omit_absent_fields(self, handler) -> dict:
         return {name: value for name, value in handler(self).items()
-                if value is not None or name not in ("role", "hidden_states", "tool_calls")}
+                if value is not None or name not in ("role", "hidden_states", "tool_calls", "reasoning_content")}
 
 
 class ChatChunkChoice(_WithExtensions):

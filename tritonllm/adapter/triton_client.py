@@ -73,6 +73,11 @@ class ChoiceOutput:
     """The new tokens' ids; empty unless return_token_ids was requested."""
     tool_calls: list[dict] = field(default_factory=list)
     """With tools: OpenAI's tool calls (streaming: their deltas), parsed by the engine."""
+    reasoning: str | None = None
+    """A reasoning model's chat: the reasoning text (streaming: the new text; `text` is the answer's); None when
+    the engine parses none."""
+    num_reasoning_tokens: int | None = None
+    """Of the choice's output tokens so far, those of its reasoning."""
 
 
 @dataclass(frozen=True)
@@ -284,15 +289,16 @@ def _parse_response(response: InferResult) -> TritonChunk:
     routed_experts = [json.loads(rows) for rows in result.strings("routed_experts")] or [[]] * count
     token_ids = [json.loads(ids) for ids in result.strings("token_ids")] or [[]] * count
     tool_calls = [json.loads(calls) for calls in result.strings("tool_calls")] or [[]] * count
+    reasoning = result.strings("reasoning_output") or [None] * count
+    num_reasoning_tokens = result.ints("num_reasoning_tokens") or [None] * count
     prompt_token_ids = result.ints("prompt_token_ids") if "prompt_token_ids" in result else None
     return TritonChunk(
         choices=[
             ChoiceOutput(text, None if finish_reason == RUNNING else finish_reason, entries, tokens, matched_stop,
-                         hidden, routed, ids, calls)
-            for text, finish_reason, entries, tokens, matched_stop, hidden, routed, ids, calls in zip(
-                texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states, routed_experts,
-                token_ids, tool_calls
-            )
+                         hidden, routed, ids, calls, thought, thought_tokens)
+            for text, finish_reason, entries, tokens, matched_stop, hidden, routed, ids, calls, thought, thought_tokens
+            in zip(texts, finish_reasons, logprobs, num_output_tokens, matched_stops, hidden_states, routed_experts,
+                   token_ids, tool_calls, reasoning, num_reasoning_tokens)
         ],
         num_input_tokens=num_input_tokens[0] if num_input_tokens else None,
         num_cached_tokens=num_cached_tokens[0] if num_cached_tokens else None,

@@ -66,6 +66,10 @@ class EngineConfig:
                                              "(lower first, then arrival), preempting lower-priority running "
                                              "sequences for a waiting one (vLLM's)", choices=SCHEDULING_POLICIES)
     max_queue_len: int = setting(256, "waiting requests before new ones are refused")
+    reasoning_parser: str = setting("auto", "chat answers of a model that reasons in tags: its reasoning apart from "
+                                            "the answer (reasoning_content), constraints on the answer after it: a "
+                                            "model family of tritonllm/engine/processing/reasoning.py by vLLM's "
+                                            "name, none, or auto: the family whose tags the chat template writes")
     stream_interval: int = setting(1, "streamed requests: a response once a choice has this many new tokens (the "
                                       "first and the last at once); more spends less CPU per token in every process "
                                       "of the stack, in fewer, larger chunks (vLLM's and SGLang's --stream-interval)",

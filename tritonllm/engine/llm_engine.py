@@ -14,7 +14,7 @@ from tritonllm.engine.core.engine_core import EngineCore, EngineStats, ModelLimi
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.model_files import resolve_model_path
 from tritonllm.engine.processing.grammar_compiler import GrammarCompiler
-from tritonllm.engine.processing.input_processor import InputProcessor, eos_token_ids, load_tokenizer
+from tritonllm.engine.processing.input_processor import InputProcessor, PromptOptions, eos_token_ids, load_tokenizer
 from tritonllm.engine.processing.output_processor import OutputProcessor
 from tritonllm.engine.processing.outputs import RequestOutput
 
@@ -40,8 +40,9 @@ class EngineParts:
         eos = eos_token_ids(model_dir, tokenizer)
         limits = start_core(lambda: EngineCore(config, model_dir, eos))
         grammars = GrammarCompiler(load_tokenizer(model_dir), limits.vocab_size, eos)
-        return cls(model_dir, limits, InputProcessor(config, limits, tokenizer, grammars),
-                   OutputProcessor(load_tokenizer(model_dir)), grammars)
+        inputs = InputProcessor(config, limits, tokenizer, grammars)
+        return cls(model_dir, limits, inputs, OutputProcessor(load_tokenizer(model_dir), inputs.reasoning_tags),
+                   grammars)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Request:
     request_id: str
     prompt: str | list[int] | list[dict]  # text, token ids or chat messages (see InputProcessor)
     params: SamplingParams
+    options: PromptOptions = PromptOptions()
 
 
 class LLMEngine:
@@ -71,9 +73,10 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> None:
         """Process and queue a request. Raises InvalidRequest (NotFound); the request is then not queued."""
-        core_request = self.inputs.process(request.request_id, request.prompt, request.params)
+        core_request = self.inputs.process(request.request_id, request.prompt, request.params, request.options)
         self.core.add_request(core_request)
-        self.outputs.add_request(request.request_id, core_request.prompt_token_ids, request.params)
+        self.outputs.add_request(request.request_id, core_request.prompt_token_ids, request.params,
+                                 request.options.tools, core_request.reasoning_start)
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_request(request_id)

@@ -202,6 +202,8 @@ class ResponseBuilder:
         self.routed_experts: list[list] = [[] for _ in range(count)]
         self.token_ids: list[list[int]] = [[] for _ in range(count)]
         self.tool_calls: list[list[dict]] = [[] for _ in range(count)]  # streaming: deltas; else whole calls
+        self.reasoning: list[str] | None = None  # a reasoning model's chat: each choice's reasoning text
+        self.num_reasoning_tokens = [0] * count
         if not request.stream and not request.exclude_input_in_output and isinstance(request.prompt, str):
             self.texts = [request.prompt] * count
 
@@ -223,6 +225,10 @@ class ResponseBuilder:
                 self.tool_calls[i].extend(delta.tool_calls)
             else:
                 merge_tool_call_deltas(self.tool_calls[i], delta.tool_calls)
+            if delta.reasoning is not None:
+                self.reasoning = self.reasoning or [""] * len(self.texts)
+                self.reasoning[i] += delta.reasoning
+                self.num_reasoning_tokens[i] = delta.num_reasoning_tokens
             self.cumulative_logprobs[i] = delta.cumulative_logprob
             self.num_output_tokens[i] = delta.num_output_tokens
             self.finish_reasons[i] = delta.finish_reason or RUNNING
@@ -247,6 +253,8 @@ class ResponseBuilder:
         self.routed_experts = [[] for _ in range(count)]
         self.token_ids = [[] for _ in range(count)]
         self.tool_calls = [[] for _ in range(count)]
+        if self.reasoning is not None:
+            self.reasoning = [""] * count
 
     def _kept_choices(self) -> list[int]:
         """All choices, or with best_of the n most likely (by cumulative logprob), best first."""
@@ -282,6 +290,9 @@ class ResponseBuilder:
         tools = self.request.options.tools
         if tools is not None and tools.constrained:
             tensors["tool_calls"] = strings([json.dumps(calls) for calls in self.tool_calls])
+        if self.reasoning is not None:
+            tensors["reasoning_output"] = strings(self.reasoning)
+            tensors["num_reasoning_tokens"] = np.array([self.num_reasoning_tokens[i] for i in kept], dtype=np.uint32)
         if "token_ids" in wanted:
             tensors["token_ids"] = strings([json.dumps(ids) for ids in self.token_ids])
         if "prompt_token_ids" in wanted and self.prompt_token_ids is not None:

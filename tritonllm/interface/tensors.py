@@ -15,7 +15,8 @@ INPUTS = PROMPT_INPUTS + ("stream", "sampling_parameters", "exclude_input_in_out
 
 OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
            "num_cached_tokens", "matched_stop", "prompt_logprobs", "hidden_states", "prompt_hidden_states",
-           "routed_experts", "token_ids", "prompt_token_ids", "prompt_token_strs", "max_model_len", "tool_calls")
+           "routed_experts", "token_ids", "prompt_token_ids", "prompt_token_strs", "max_model_len", "tool_calls",
+           "reasoning_output", "num_reasoning_tokens")
 TOKENIZE_OUTPUTS = ("text_output", "prompt_token_ids", "prompt_token_strs", "num_input_tokens", "max_model_len")
 """The one response of a `tokenize_only` request: the prompt's text and tokens, nothing generated."""
 

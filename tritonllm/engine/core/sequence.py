@@ -43,6 +43,8 @@ class CoreRequest:
     lora: LoraAdapter | None = None
     grammar: Future | None = None  # the compiling matcher of a constrained request
     allowed_tokens: np.ndarray | None = None  # [bitmask words] int32 of params.allowed_token_ids, built once
+    reasoning_start: enum.Enum | None = None  # a chat's processing.reasoning.ReasoningStart, for the output
+    # processor (None: no reasoning to parse); the core does not read it
     sequences: list["Sequence"] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     prompt_hidden_states_sent: bool = False

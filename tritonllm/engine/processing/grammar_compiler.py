@@ -19,6 +19,7 @@ import llguidance.hf
 from llguidance import LLMatcher
 
 from tritonllm.interface.errors import InvalidRequest
+from tritonllm.engine.processing.reasoning import ANSWER_GRAMMAR, ReasoningStart, ReasoningTags, reasoning_lark
 from tritonllm.engine.processing.structural_tag_format import regex_lark, structural_tag_format_grammar
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,17 @@ def structural_tag_lark(text: str) -> str:
     return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
 
+AfterReasoning = tuple[ReasoningTags, ReasoningStart]
+"""A constraint on the answer of a reasoning model: its tags, and where its output starts."""
+
+
+def after_reasoning(grammar: str, reasoning: AfterReasoning) -> str:
+    """llguidance's grammar (a top-level JSON object or Lark text) as the answer after free reasoning."""
+    grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
+    answer = {**grammars[0], "name": ANSWER_GRAMMAR}
+    return json.dumps({"grammars": [{"lark_grammar": reasoning_lark(*reasoning)}, answer, *grammars[1:]]})
+
+
 class GrammarCompiler:
     """Compiles constraints into matchers on worker threads, with an LRU cache of compiled grammars."""
 
@@ -79,18 +91,19 @@ class GrammarCompiler:
         self._ll_tokenizer = None  # built on first use (about a second): unconstrained servers never pay for it
         self._tokenizer_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonllm-grammar")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, AfterReasoning | None], Future] = OrderedDict()
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
 
-    def compile(self, name: str, text: str) -> Future:
+    def compile(self, name: str, text: str, reasoning: AfterReasoning | None = None) -> Future:
         """A future of the constraint's matcher in its initial state (copy it before use); it fails with
-        InvalidRequest naming `name` when the grammar is invalid."""
-        key = (name, text)
+        InvalidRequest naming `name` when the grammar is invalid. With `reasoning`, the constraint applies to the
+        answer after the (free) reasoning."""
+        key = (name, text, reasoning)
         with self._cache_lock:
             future = self._cache.get(key)
             if future is None:
-                future = self._pool.submit(self._build, name, text)
+                future = self._pool.submit(self._build, name, text, reasoning)
                 self._cache[key] = future
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
@@ -112,7 +125,7 @@ class GrammarCompiler:
                     raise InvalidRequest(f"this model's tokenizer cannot be used for constrained decoding: {error}")
             return self._ll_tokenizer
 
-    def _build(self, name: str, text: str) -> LLMatcher:
+    def _build(self, name: str, text: str, reasoning: AfterReasoning | None) -> LLMatcher:
         started = time.perf_counter()
         try:
             if name == "json_schema":
@@ -123,6 +136,8 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from("regex", regex_lark(text))
             else:
                 grammar = llguidance.grammar_from(_FORMATS[name], text)
+            if reasoning is not None:
+                grammar = after_reasoning(grammar, reasoning)
         except ValueError as error:
             raise InvalidRequest(f"invalid {name}: {error}", param=name) from None
         matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)

@@ -25,6 +25,7 @@ from tritonllm.interface.tools import NO_PARAMETERS, ToolSpec
 from tritonllm.engine.layers.lora import LoraAdapter
 from tritonllm.engine.processing.grammar_compiler import GrammarCompiler
 from tritonllm.engine.processing.lora_files import AdapterDirectory
+from tritonllm.engine.processing.reasoning import ReasoningStart, reasoning_start, reasoning_tags
 from tritonllm.engine.processing.tool_calls import HERMES_TEMPLATE, tool_call_lark
 
 
@@ -81,6 +82,7 @@ class InputProcessor:
             else None
         self._loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # recently used adapters, read once
         self._own_template_renders_tools: bool | None = None  # found out on the first request with tools
+        self.reasoning_tags = reasoning_tags(config.reasoning_parser, tokenizer.chat_template)
 
     def process(self, request_id: str, prompt: str | list[int] | list[dict], params: SamplingParams,
                 options: PromptOptions = PromptOptions()) -> CoreRequest:
@@ -89,7 +91,7 @@ class InputProcessor:
             raise InvalidRequest(f"priority {params.priority} needs priority scheduling, and this server schedules "
                                  f"first come, first served (--scheduling-policy {self.config.scheduling_policy})",
                                  "priority")
-        prompt_token_ids = self._tokenize(prompt, options)
+        prompt_token_ids, rendered = self._tokenize(prompt, options)
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty")
         prompt_len, capacity = len(prompt_token_ids), self.limits.capacity
@@ -103,34 +105,47 @@ class InputProcessor:
         self._check_token_ids(params)
         self._check_extensions(params, prompt_len, max_tokens)
         lora = self._adapter(params.lora_path)
+        answer_start = None if rendered is None else self._reasoning_start(prompt, options, rendered)
         constraint = self._tool_constraint(options.tools, params) or params.constraint
-        grammar = None if constraint is None else self.grammars.compile(*constraint)
+        grammar = None if constraint is None else self.grammars.compile(
+            *constraint, None if answer_start is None else (self.reasoning_tags, answer_start))
         allowed = allowed_tokens_bitmask(params.allowed_token_ids, self.limits.vocab_size) \
             if params.allowed_token_ids else None
-        return CoreRequest(request_id, prompt_token_ids, params, max_tokens, lora, grammar, allowed)
+        return CoreRequest(request_id, prompt_token_ids, params, max_tokens, lora, grammar, allowed, answer_start)
 
     def tokenize(self, prompt: str | list[int] | list[dict], options: PromptOptions,
                  lora_path: str | None = None) -> TokenizedPrompt:
         """The prompt's tokens, nothing generated (an empty prompt has none). An adapter named is read and
         checked as a generation would (then kept among the recent ones): runtime LoRA loads ask so."""
         self._adapter(lora_path)
-        token_ids = self._tokenize(prompt, options)
+        token_ids, _ = self._tokenize(prompt, options)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids)
         return TokenizedPrompt(token_ids, self.tokenizer.convert_ids_to_tokens(token_ids), text)
 
-    def _tokenize(self, prompt: str | list[int] | list[dict], options: PromptOptions) -> list[int]:
-        """Token ids of a text, token-id or chat-messages prompt."""
+    def _tokenize(self, prompt: str | list[int] | list[dict], options: PromptOptions) -> tuple[list[int], str | None]:
+        """Token ids of a text, token-id or chat-messages prompt, and a chat's rendered template."""
         if prompt and isinstance(prompt[0], dict):
+            rendered = self._render_chat(prompt, options)
             # The rendered template carries its own special tokens (BOS included where the model has one).
-            return self.tokenizer.encode(self._render_chat(prompt, options),
-                                         add_special_tokens=bool(options.add_special_tokens))
+            return self.tokenizer.encode(rendered, add_special_tokens=bool(options.add_special_tokens)), rendered
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=options.add_special_tokens is not False)
+            return self.tokenizer.encode(prompt, add_special_tokens=options.add_special_tokens is not False), None
         token_ids = [int(t) for t in prompt]
         bad = [t for t in token_ids if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
-        return token_ids
+        return token_ids, None
+
+    def _reasoning_start(self, messages: list[dict], options: PromptOptions, rendered: str) -> ReasoningStart | None:
+        """Where a chat's output starts against the model's reasoning (None: nothing to parse): read off what the
+        template put after the last message's content (with that content when it is continued), so a tag that an
+        earlier message or the final one holds does not count unless the model continues it."""
+        if self.reasoning_tags is None:
+            return None
+        content = messages[-1].get("content")
+        at = rendered.rfind(content) if isinstance(content, str) and content else -1
+        end = rendered if at < 0 else rendered[at if options.continue_final_message else at + len(content):]
+        return reasoning_start(self.reasoning_tags, end)
 
     def _render_chat(self, messages: list[dict], options: PromptOptions) -> str:
         """The model's own chat template applied to the messages."""

@@ -10,6 +10,7 @@ Owned by one thread (the Triton responder, or LLMEngine's caller); it has its ow
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from tritonllm.engine.core.sequence import CoreOutput, SampledToken, SequenceUpdate
@@ -17,6 +18,7 @@ from tritonllm.interface.parameters import SamplingParams
 from tritonllm.interface.tools import ToolSpec
 from tritonllm.engine.processing.detokenizer import IncrementalDetokenizer
 from tritonllm.engine.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+from tritonllm.engine.processing.reasoning import ReasoningParser, ReasoningStart, ReasoningTags
 from tritonllm.engine.processing.tool_calls import ToolCallParser
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,20 @@ class _Choice:
     pending_hidden_states: list = field(default_factory=list)
     pending_routed_experts: list = field(default_factory=list)
     tool_calls: ToolCallParser | None = None  # when the request's tools may be called: its text holds calls
+    reasoning: ReasoningParser | None = None  # a reasoning model's chat: its text starts with the reasoning
+    token_ends: list[int] = field(default_factory=list)  # len(text) after each token, while the reasoning runs
+    num_reasoning_tokens: int | None = None  # once the reasoning has ended
+
+    def reasoning_tokens(self) -> int:
+        """The output tokens that the reasoning took so far (the one that completed its end tag included)."""
+        if self.reasoning is None:
+            return 0
+        if self.num_reasoning_tokens is None and self.reasoning.reasoning_end is not None:
+            self.num_reasoning_tokens = bisect_left(self.token_ends, self.reasoning.reasoning_end) + 1
+            self.token_ends = []
+        if self.num_reasoning_tokens is not None:
+            return self.num_reasoning_tokens
+        return self.num_output_tokens if self.reasoning.reasoning else 0
 
 
 @dataclass
@@ -64,15 +80,18 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, reasoning_tags: ReasoningTags | None = None):
         self.tokenizer = tokenizer
+        self.reasoning_tags = reasoning_tags  # the served model's (None: it does not reason in tags)
         self.requests: dict[str, _RequestState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    tools: ToolSpec | None = None) -> None:
+                    tools: ToolSpec | None = None, reasoning_start: ReasoningStart | None = None) -> None:
         parse_calls = tools is not None and tools.constrained
         choices = [_Choice(i, IncrementalDetokenizer(prompt_token_ids, params.skip_special_tokens),
-                           tool_calls=ToolCallParser() if parse_calls else None)
+                           tool_calls=ToolCallParser() if parse_calls else None,
+                           reasoning=None if reasoning_start is None else
+                           ReasoningParser(self.reasoning_tags, reasoning_start))
                    for i in range(params.num_sequences)]
         self.requests[request_id] = _RequestState(params, prompt_token_ids, choices)
 
@@ -148,6 +167,8 @@ class OutputProcessor:
             trimmed = sampled.token_id == update.stop_token_id and not params.no_stop_trim
             searched_from = len(choice.text)
             choice.text += choice.detokenizer.add(self.tokenizer, sampled.token_id, decode=not trimmed)
+            if choice.reasoning is not None and choice.reasoning.reasoning_end is None:
+                choice.token_ends.append(len(choice.text))
             if (choice.num_output_tokens >= params.min_tokens and (params.stop or params.stop_regex)
                     and self._find_stop_string(params, choice, searched_from)):
                 return
@@ -189,12 +210,14 @@ class OutputProcessor:
         end = max(end, choice.num_sent_chars)
         new_text = text[choice.num_sent_chars:end]
         choice.num_sent_chars = end
-        finish_reason, tool_calls = choice.finish_reason, []
+        finish_reason, tool_calls, reasoning = choice.finish_reason, [], None
+        if choice.reasoning is not None:  # the reasoning first: constraints and tool calls are the answer's
+            reasoning, new_text = choice.reasoning.feed(new_text, finished)
         if choice.tool_calls is not None:  # the text's calls become tool-call deltas, the rest content
             new_text, tool_calls = choice.tool_calls.feed(new_text, finished)
             if finish_reason == "stop" and choice.tool_calls.calls:
                 finish_reason = "tool_calls"
-        if not (new_text or tool_calls or choice.pending_logprobs or choice.pending_hidden_states
+        if not (new_text or reasoning or tool_calls or choice.pending_logprobs or choice.pending_hidden_states
                 or choice.pending_routed_experts or finished):
             return None  # (its new tokens go with the next delta)
         delta = ChoiceDelta(
@@ -202,7 +225,7 @@ class OutputProcessor:
             cumulative_logprob=choice.cumulative_logprob, num_output_tokens=choice.num_output_tokens,
             finish_reason=finish_reason, matched_stop=choice.matched_stop,
             hidden_states=choice.pending_hidden_states, routed_experts=choice.pending_routed_experts,
-            tool_calls=tool_calls)
+            tool_calls=tool_calls, reasoning=reasoning, num_reasoning_tokens=choice.reasoning_tokens())
         choice.pending_token_ids, choice.pending_logprobs = [], []
         choice.pending_hidden_states, choice.pending_routed_experts = [], []
         return delta

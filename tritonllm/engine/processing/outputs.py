@@ -33,6 +33,8 @@ class ChoiceDelta:
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [MoE layers, top_k] per new token, likewise
     token_ids: list[int] = field(default_factory=list)  # the new tokens (a trimmed stop token included)
     tool_calls: list[dict] = field(default_factory=list)  # OpenAI's tool-call deltas of the new text (tool_calls.py)
+    reasoning: str | None = None  # the new reasoning text (reasoning.py; `text` is the answer's); None: not parsed
+    num_reasoning_tokens: int = 0  # of num_output_tokens, those of the reasoning (its end tag's included)
 
 
 @dataclass

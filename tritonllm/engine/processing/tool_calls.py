@@ -26,7 +26,7 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
-def _lark_string(text: str) -> str:
+def lark_string(text: str) -> str:
     return json.dumps(text)
 
 
@@ -35,20 +35,20 @@ def tool_call_lark(spec: ToolSpec) -> str:
     bodies = []
     for index, function in enumerate(spec.callable_functions()):
         schema = {**(function.get("parameters") or NO_PARAMETERS), "x-guidance": _JSON_OPTIONS}
-        head = _lark_string(f'\n{{"name": "{function["name"]}", "arguments": ')
-        bodies.append(f"body_{index}: {head} %json {json.dumps(schema)} {_lark_string(CALL_TAIL)}")
+        head = lark_string(f'\n{{"name": "{function["name"]}", "arguments": ')
+        bodies.append(f"body_{index}: {head} %json {json.dumps(schema)} {lark_string(CALL_TAIL)}")
     more = ' ("\\n" call)*' if spec.parallel and spec.choice in ("auto", "required") else ""
     if spec.choice == "auto":  # free text, or free text up to the trigger and then calls
         start = ["start: text | trigger body" + more, "text: TEXT", "TEXT: /(.|\\n)*/",
-                 f"trigger[lazy]: TEXT {_lark_string(CALL_OPEN)}"]
+                 f"trigger[lazy]: TEXT {lark_string(CALL_OPEN)}"]
     else:
         start = ["start: call" + more]
-    rules = start + [f"call: {_lark_string(CALL_OPEN)} body",
+    rules = start + [f"call: {lark_string(CALL_OPEN)} body",
                      "body: " + " | ".join(f"body_{index}" for index in range(len(bodies)))] + bodies
     return "%llguidance {}\n" + "\n".join(rules) + "\n"
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """The length of text's longest suffix that is a proper prefix of marker (it may become the marker)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:size]):
@@ -77,7 +77,7 @@ class ToolCallParser:
             if not self._in_call:
                 start = self._pending.find(CALL_OPEN)
                 end = start if start >= 0 else len(self._pending) - (0 if final else
-                                                                     _held_back(self._pending, CALL_OPEN))
+                                                                     held_back(self._pending, CALL_OPEN))
                 outside, self._pending = self._pending[:end], self._pending[end:]
                 if self.calls == 0 or outside.strip():
                     content.append(outside)

@@ -153,7 +153,7 @@ class TritonPythonModel:
     def _register(self, request_id: str, entry: _InFlight, core_request):
         self.in_flight[request_id] = entry
         self.outputs.add_request(request_id, core_request.prompt_token_ids, core_request.params,
-                                 entry.builder.request.options.tools)
+                                 entry.builder.request.options.tools, core_request.reasoning_start)
 
     def _on_core_outputs(self, outputs: list[CoreOutput]):
         for core_output in outputs:
