@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_TOKENS = 4
 # routes that generate: without a bound a chat request runs to the context's end (as OpenAI's) and the queue fills
-GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations", "/v1/messages")
 MAX_PROMPTS = 3
 REQUEST_TIMEOUT_S = 60
 

@@ -126,7 +126,7 @@ def test_openapi_describes_the_completions_route(client):
     assert ok["application/json"]["schema"]["$ref"] == "#/components/schemas/CompletionResponse"
     assert "text/event-stream" in ok
     assert operation["responses"]["413"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
-    assert operation["security"] == [{"HTTPBearer": []}]
+    assert operation["security"] == [{"HTTPBearer": []}, {"APIKeyHeader": []}]  # either one
     assert "security" not in schema["paths"]["/health"]["get"]
 
 
@@ -138,3 +138,23 @@ def test_metrics_are_open_by_default_and_behind_the_key_when_asked(client):
             assert error["code"] == "invalid_api_key"
         assert "tritonllm_adapter" in keyed.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
         assert keyed.get("/health").status_code == 503  # open (Triton is down), never 401
+
+
+def test_openapi_describes_the_messages_routes_with_anthropics_errors(client):
+    schema = client.get("/openapi.json").json()
+    for path, response in (("/v1/messages", "MessageResponse"), ("/v1/messages/count_tokens", "CountTokensResponse")):
+        operation = schema["paths"][path]["post"]
+        assert {"model", "messages"} <= set(operation["requestBody"]["content"]["application/json"]["schema"][
+            "required"])
+        assert operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(response)
+        assert operation["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "AnthropicErrorResponse")
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(client):
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}
+    assert client.post("/v1/messages", json=body, headers={"x-api-key": KEY}).status_code == 503  # Triton is down
+    refused = client.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    assert client.post("/v1/messages", json=body).json()["type"] == "error"
+    _error(_complete(client, headers={"x-api-key": KEY}), 503)  # the OpenAI routes take it too

@@ -1,9 +1,10 @@
 """The APIs agents and reasoning models are called through, end to end: `tritonllm serve` with a tiny random Qwen3
 whose chat template thinks (tests/tiny_models.py), and the official SDKs: openai's chat completions with the
-reasoning apart from the answer."""
+reasoning apart from the answer; anthropic's Messages API (thinking, text and tool_use blocks, streamed or not)."""
 
 from __future__ import annotations
 
+import anthropic
 import openai
 import pytest
 
@@ -49,3 +50,74 @@ def test_enable_thinking_false_answers_without_reasoning(thinking_stack, openai_
     message = whole.choices[0].message
     assert message.content and "reasoning_content" not in (message.model_extra or {})
     assert whole.usage.completion_tokens_details is None
+
+
+# --- Anthropic's Messages API through the anthropic SDK ---------------------------------------------------------
+
+TOOLS = [{"name": "weather", "description": "The weather in a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}]
+NO_THINKING = {"type": "disabled"}
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(thinking_stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=thinking_stack.base_url.removesuffix("/v1"), api_key="unused",
+                               max_retries=0, timeout=120)
+
+
+def test_messages_answer_with_thinking_then_text_streamed_or_not(thinking_stack, anthropic_client, openai_client):
+    # (the SDK types no sampling parameters since 2.x: they go as extra fields, as the API still takes them)
+    kwargs = dict(model=thinking_stack.model_name, max_tokens=10, extra_body={"temperature": 0},
+                  system="Be brief.", messages=MESSAGES)
+    message = anthropic_client.messages.create(**kwargs)
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [block.type for block in message.content] == ["thinking"]  # (the random model never ends it)
+    assert (message.stop_reason, message.usage.output_tokens) == ("max_tokens", 10)
+    chat = openai_client.chat.completions.create(model=thinking_stack.model_name, max_tokens=10, temperature=0,
+                                                 messages=[{"role": "system", "content": "Be brief."}, *MESSAGES])
+    assert message.content[0].thinking == chat.choices[0].message.model_extra["reasoning_content"]
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    counted = anthropic_client.messages.count_tokens(model=thinking_stack.model_name, system="Be brief.",
+                                                     messages=MESSAGES)
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+    with anthropic_client.messages.stream(**kwargs) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop" and "message_delta" in events
+    assert streamed.content == message.content and streamed.stop_reason == "max_tokens"
+    assert streamed.usage.output_tokens == 10
+
+    text = anthropic_client.messages.create(**kwargs | {"max_tokens": 6}, thinking=NO_THINKING)
+    assert [block.type for block in text.content] == ["text"] and text.content[0].text
+
+
+def test_messages_tool_use_streamed_or_not_and_a_tool_result_turn(thinking_stack, anthropic_client):
+    kwargs = dict(model=thinking_stack.model_name, max_tokens=40, extra_body={"temperature": 0}, messages=MESSAGES,
+                  tools=TOOLS, tool_choice={"type": "any"}, thinking=NO_THINKING)
+    message = anthropic_client.messages.create(**kwargs)
+    assert message.stop_reason == "tool_use"
+    [call] = [block for block in message.content if block.type == "tool_use"]
+    assert call.name == "weather" and call.input["city"] in ("Paris", "Rome")
+    with anthropic_client.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(call.name, call.input)]
+
+    answer = anthropic_client.messages.create(
+        model=thinking_stack.model_name, max_tokens=5, extra_body={"temperature": 0}, thinking=NO_THINKING,
+        tools=TOOLS, stop_sequences=["\n"], messages=[*MESSAGES, {"role": "assistant", "content": message.content},
+                                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                                        "content": "sunny"}]}])
+    assert answer.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
+
+
+def test_messages_errors_have_anthropics_shape(thinking_stack, anthropic_client):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        anthropic_client.messages.create(model="claude-nothing", max_tokens=5, messages=MESSAGES)
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_client.messages.create(model=thinking_stack.model_name, max_tokens=5, messages=MESSAGES,
+                                         extra_body={"top_p": 0.0})
+    assert caught.value.body["type"] == "error" and "top_p" in caught.value.body["error"]["message"]

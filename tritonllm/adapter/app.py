@@ -3,13 +3,15 @@
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from prometheus_client.metrics_core import Metric
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from tritonllm.adapter.auth import api_key_dependency
@@ -21,6 +23,8 @@ from tritonllm.adapter.engine_metrics import dead_instances, read_engine_metrics
 from tritonllm.adapter.errors import install_exception_handlers, model_not_found, service_unavailable
 from tritonllm.adapter.head import HeadAsGet
 from tritonllm.adapter.limits import check_limits, read_body
+from tritonllm.adapter.messages import (AnthropicErrorResponse, CountTokensRequest, CountTokensResponse,
+                                        MessageResponse, MessagesRequest, anthropic_message, message_events)
 from tritonllm.adapter.metrics import AdapterMetrics, MetricsMiddleware
 from tritonllm.adapter.models import model_cards
 from tritonllm.adapter.openapi import (error_responses, generation_route_docs, install_request_components,
@@ -86,7 +90,11 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     vllm_routes = APIRouter(dependencies=auth)  # vLLM's routes outside /v1
 
-    async def generate(request: Request, generation_request: GenerationRequest) -> Response:
+    async def generate(request: Request, generation_request: GenerationRequest,
+                       events: Callable[[Any, AsyncGenerator], AsyncIterator[str]] = completion_events,
+                       whole: Callable[[Any], BaseModel] = lambda completion: completion) -> Response:
+        """Run a completion or chat; `events` frames its stream (from the first chunk and the rest), `whole` turns
+        the whole answer into the response body (both OpenAI's as they are, unless another API's)."""
         service: CompletionService | ChatService = request.app.state.chat \
             if isinstance(generation_request, ChatCompletionRequest) else request.app.state.completions
         deadline_s = request_deadline(request.headers, settings)
@@ -96,13 +104,13 @@ def create_app(settings: AdapterSettings) -> FastAPI:
             # Wait for the first chunk before answering 200, so that refusals and Triton failures at the
             # start still get a proper HTTP error status.
             first = await cancel_on_disconnect(anext(chunks), request.is_disconnected)
-            events = completion_events(first, chunks)
+            stream = events(first, chunks)
             # Starlette cancels the streaming task when the client disconnects; closing the generator
             # afterwards also covers a generator that was suspended between chunks at that moment.
-            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
+            return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(stream.aclose))
         completion = await cancel_on_disconnect(within(service.complete(generation_request), deadline_s),
                                                 request.is_disconnected)
-        return Response(completion.model_dump_json(), media_type="application/json")
+        return Response(whole(completion).model_dump_json(), media_type="application/json")
 
     @v1.post("/completions", **generation_route_docs(CompletionRequest, CompletionResponse, CompletionResponse,
                                                      with_auth))
@@ -116,6 +124,26 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         return await generate(request, parse_request(await read_body(request, settings.max_body_bytes),
                                                      ChatCompletionRequest))
+
+    anthropic_errors = {"with_auth": with_auth, "error_model": AnthropicErrorResponse}
+
+    @v1.post("/messages", **generation_route_docs(
+        MessagesRequest, MessageResponse, None, **anthropic_errors,
+        stream_description="Anthropic's events (message_start, content_block_start / delta / stop, message_delta, "
+                           "message_stop; `event: <type>` and `data: <JSON>` each)"))
+    async def create_message(request: Request) -> Response:
+        """Anthropic's Messages API, run as a chat completion (tritonllm/adapter/messages.py)."""
+        body = parse_request(await read_body(request, settings.max_body_bytes), MessagesRequest)
+        return await generate(request, body.chat_request(), lambda first, rest: message_events(first, rest, body),
+                              lambda chat: anthropic_message(chat, body))
+
+    @v1.post("/messages/count_tokens", **generation_route_docs(
+        CountTokensRequest, CountTokensResponse, None, **anthropic_errors, stream_description="(never streamed)"))
+    async def count_message_tokens(request: Request) -> CountTokensResponse:
+        """Anthropic's: the prompt tokens a message request would take (its system prompt and tools included)."""
+        body = parse_request(await read_body(request, settings.max_body_bytes), CountTokensRequest)
+        tokenized = await request.app.state.tokenization.tokenize(body.tokenize_request())
+        return CountTokensResponse(input_tokens=tokenized.count)
 
     async def engine_metrics() -> list[Metric] | None:
         """Triton's metric families; None when unknown (no --triton-metrics-url) or unreachable."""

@@ -1,6 +1,8 @@
 """OpenAI-format errors: the one exception type every failure becomes, and the handlers that render it.
 
-Body shape: {"error": {"message", "type", "param", "code"}}. The official SDKs read these fields.
+Body shape: {"error": {"message", "type", "param", "code"}}. The official SDKs read these fields. Under
+ANTHROPIC_PATH (the Messages API) the same errors have Anthropic's shape: {"type": "error", "error": {"type",
+"message"}}.
 """
 
 import logging
@@ -16,6 +18,13 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 """Seconds a client should wait before retrying a 503: Triton restarts or its queue drains quickly."""
+
+ANTHROPIC_PATH = "/v1/messages"
+"""The routes whose errors have Anthropic's shape."""
+# Anthropic's error type of each status (any other 5xx: api_error)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class AdapterError(Exception):
@@ -42,9 +51,18 @@ class AdapterError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        error_type = _ANTHROPIC_TYPES.get(self.status_code, "api_error" if self.status_code >= 500
+                                          else "invalid_request_error")
+        message = self.message if self.param is None or self.param in self.message \
+            else f"{self.param}: {self.message}"
+        return {"type": "error", "error": {"type": error_type, "message": message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error's response to a request for `path` (Anthropic's shape under ANTHROPIC_PATH)."""
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.retry_after else None
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATH) else self.body()
+        return JSONResponse(body, status_code=self.status_code, headers=headers)
 
 
 def from_kind(kind: ErrorKind, message: str, param: str | None = None) -> AdapterError:
@@ -128,9 +146,9 @@ def log_server_error(error: AdapterError) -> None:
 def install_exception_handlers(app: FastAPI) -> None:
     """Make every error response of the app, routing errors included, use the OpenAI shape."""
 
-    async def on_adapter_error(_: Request, error: AdapterError) -> JSONResponse:
+    async def on_adapter_error(request: Request, error: AdapterError) -> JSONResponse:
         log_server_error(error)
-        return error.response()
+        return error.response(request.url.path)
 
     async def on_http_exception(request: Request, error: StarletteHTTPException) -> JSONResponse:
         if error.status_code == 404:
@@ -138,14 +156,14 @@ def install_exception_handlers(app: FastAPI) -> None:
         else:
             message = str(error.detail)
         adapter_error = AdapterError(error.status_code, message, error_type="invalid_request_error")
-        response = adapter_error.response()
+        response = adapter_error.response(request.url.path)
         # Keep headers such as Allow on a 405.
         response.headers.update(error.headers or {})
         return response
 
-    async def on_unexpected_error(_: Request, error: Exception) -> JSONResponse:
+    async def on_unexpected_error(request: Request, error: Exception) -> JSONResponse:
         # Starlette re-raises the error after this response, so the server logs its traceback.
-        return internal_error().response()
+        return internal_error().response(request.url.path)
 
     app.add_exception_handler(AdapterError, on_adapter_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)

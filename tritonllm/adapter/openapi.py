@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from pydantic import BaseModel
 
+from tritonllm.adapter.messages import CountTokensRequest, MessagesRequest
 from tritonllm.adapter.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 _COMPONENT_REF = "#/components/schemas/{model}"
@@ -25,18 +26,23 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses` entries for the given error statuses, all with the OpenAI error body."""
-    return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` entries for the given error statuses, all with the error body `model` (OpenAI's, or
+    Anthropic's for the Messages API)."""
+    return {status: {"model": model, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
 def generation_route_docs(
-    request_model: type[BaseModel], response_model: type[BaseModel], chunk_model: type[BaseModel], with_auth: bool
+    request_model: type[BaseModel], response_model: type[BaseModel], chunk_model: type[BaseModel] | None,
+    with_auth: bool, stream_description: str | None = None, error_model: type[BaseModel] = ErrorResponse,
 ) -> dict[str, Any]:
-    """Keyword arguments for a completions or chat route decorator: its request body and responses."""
+    """Keyword arguments for a generating route decorator: its request body and responses (with `stream: true`
+    the answer's server-sent events: `chunk_model`'s, or as `stream_description` says)."""
     request_schema = request_model.model_json_schema(ref_template=_COMPONENT_REF)
     request_schema.pop("$defs", None)  # nested models go into components (install_request_components)
     errors = (400, 401, 404, 413, 503, 504) if with_auth else (400, 404, 413, 503, 504)
+    stream_description = stream_description or \
+        f"its chunks as server-sent events (`data: <{chunk_model.__name__} JSON>` each, then `data: [DONE]`)"
     return {
         "openapi_extra": {
             "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema}}}
@@ -44,11 +50,10 @@ def generation_route_docs(
         "responses": {
             200: {
                 "model": response_model,
-                "description": "The completion, or with `stream: true` its chunks as server-sent events "
-                f"(`data: <{chunk_model.__name__} JSON>` each, then `data: [DONE]`)",
+                "description": f"The answer, or with `stream: true` {stream_description}",
                 "content": {"text/event-stream": {"schema": {"type": "string"}}},
             },
-            **error_responses(*errors),
+            **error_responses(*errors, model=error_model),
         },
     }
 
@@ -70,7 +75,7 @@ def install_request_components(app: FastAPI) -> None:
     """Add the request models' nested schemas, which `generation_route_docs` refers to, to the components."""
     nested = {
         name: schema
-        for model in (CompletionRequest, ChatCompletionRequest)
+        for model in (CompletionRequest, ChatCompletionRequest, MessagesRequest, CountTokensRequest)
         for name, schema in model.model_json_schema(ref_template=_COMPONENT_REF).get("$defs", {}).items()
     }
     generate = app.openapi

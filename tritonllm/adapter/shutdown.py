@@ -60,7 +60,7 @@ class Drain:
                 await app(scope, receive, send)
                 return
             if self.draining and scope["path"] not in _STILL_SERVED_WHILE_DRAINING:
-                await shutting_down().response()(scope, receive, send)
+                await shutting_down().response(scope["path"])(scope, receive, send)
                 return
             self._in_flight += 1
             self._idle.clear()
