@@ -28,19 +28,25 @@ from schemathesis.specs.openapi.checks import (
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 MAX_TOKENS = 4
 # routes that generate: without a bound a chat request runs to the context's end (as OpenAI's) and the queue fills
-GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations", "/v1/messages")
+OPENAI_SAMPLING_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")  # they take min_tokens
+GENERATING_PATHS = OPENAI_SAMPLING_PATHS + ("/v1/messages", "/v1/responses")
+MAX_TOKENS_FIELD = {"/v1/responses": "max_output_tokens"}  # each generating route's bound, if not max_tokens
 MAX_PROMPTS = 3
 REQUEST_TIMEOUT_S = 60
 
 
-def bounded_body(body: object, model: str) -> object:
-    """A generated completion body made cheap to serve; anything but a JSON object is left to be refused."""
+def bounded_body(body: object, model: str, path: str = "/v1/completions") -> object:
+    """A generated body for a generating route made cheap to serve; anything but a JSON object is left to be
+    refused."""
     if not isinstance(body, dict):
         return body
-    body = {**body, "model": model, "min_tokens": 0}
+    body = {**body, "model": model}
+    if path in OPENAI_SAMPLING_PATHS:
+        body["min_tokens"] = 0
     body.pop("max_completion_tokens", None)  # (chat's other spelling: max_tokens alone bounds it)
-    max_tokens = body.get("max_tokens")
-    body["max_tokens"] = min(max_tokens, MAX_TOKENS) if isinstance(max_tokens, int) else MAX_TOKENS
+    bound = MAX_TOKENS_FIELD.get(path, "max_tokens")
+    max_tokens = body.get(bound)
+    body[bound] = min(max_tokens, MAX_TOKENS) if isinstance(max_tokens, int) else MAX_TOKENS
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         body["prompt"] = prompt[:MAX_PROMPTS]  # a batch beyond the engine's queue would only measure 503s
@@ -67,7 +73,7 @@ def run_campaign(root_url: str, model: str, *, examples: int, seed: int, api_key
         def check(case) -> None:
             nonlocal sent
             if operation.path in GENERATING_PATHS:
-                case.body = bounded_body(case.body, model)
+                case.body = bounded_body(case.body, model, operation.path)
             sent += 1
             case.call_and_validate(base_url=root_url, headers=headers, checks=CHECKS, timeout=REQUEST_TIMEOUT_S)
 

@@ -1,8 +1,11 @@
 """The APIs agents and reasoning models are called through, end to end: `tritonllm serve` with a tiny random Qwen3
 whose chat template thinks (tests/tiny_models.py), and the official SDKs: openai's chat completions with the
-reasoning apart from the answer; anthropic's Messages API (thinking, text and tool_use blocks, streamed or not)."""
+reasoning apart from the answer; anthropic's Messages API (thinking, text and tool_use blocks, streamed or not);
+openai's Responses API (reasoning, message and function_call items, streamed or not)."""
 
 from __future__ import annotations
+
+import json
 
 import anthropic
 import openai
@@ -121,3 +124,54 @@ def test_messages_errors_have_anthropics_shape(thinking_stack, anthropic_client)
         anthropic_client.messages.create(model=thinking_stack.model_name, max_tokens=5, messages=MESSAGES,
                                          extra_body={"top_p": 0.0})
     assert caught.value.body["type"] == "error" and "top_p" in caught.value.body["error"]["message"]
+
+
+# --- OpenAI's Responses API through the openai SDK -------------------------------------------------------------
+
+FUNCTION = {"type": "function", "name": "weather", "description": "The weather in a city",
+            "parameters": TOOLS[0]["input_schema"]}
+
+
+def test_responses_reasoning_and_text_streamed_or_not(thinking_stack, openai_client):
+    kwargs = dict(model=thinking_stack.model_name, input="What is the capital of France?", instructions="Be brief.",
+                  max_output_tokens=10, temperature=0)
+    response = openai_client.responses.create(**kwargs)
+    assert response.object == "response" and response.status == "incomplete"  # max_output_tokens ran out
+    assert response.incomplete_details.reason == "max_output_tokens"
+    [reasoning] = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    assert response.usage.output_tokens == 10 and response.usage.output_tokens_details.reasoning_tokens == 10
+    events = list(openai_client.responses.create(**kwargs, stream=True))
+    assert [event.type for event in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.incomplete"
+    streamed = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    assert streamed == reasoning.content[0].text
+    assert events[-1].response.output[0].content[0].text == streamed
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+
+    answer = openai_client.responses.create(**kwargs, reasoning={"effort": "none"})
+    assert [item.type for item in answer.output] == ["message"] and answer.output_text
+    with pytest.raises(openai.BadRequestError, match="stores no responses"):
+        openai_client.responses.create(**kwargs, previous_response_id="resp_123")
+
+
+def test_responses_function_call_streamed_or_not_and_its_output_turn(thinking_stack, openai_client):
+    kwargs = dict(model=thinking_stack.model_name, input="Weather in Paris?", tools=[FUNCTION],
+                  tool_choice="required", max_output_tokens=40, temperature=0, reasoning={"effort": "none"})
+    response = openai_client.responses.create(**kwargs)
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert response.status == "completed" and call.name == "weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    events = list(openai_client.responses.create(**kwargs, stream=True))
+    arguments = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
+    assert arguments == call.arguments and events[-1].type == "response.completed"
+    with openai_client.responses.stream(**kwargs) as stream:  # the SDK's accumulating helper
+        final = stream.get_final_response()
+    assert [(item.name, item.arguments) for item in final.output if item.type == "function_call"] == \
+        [(call.name, call.arguments)]
+
+    follow_up = openai_client.responses.create(
+        model=thinking_stack.model_name, max_output_tokens=5, temperature=0, reasoning={"effort": "none"},
+        tools=[FUNCTION], input=[{"role": "user", "content": "Weather in Paris?"}, call.model_dump(),
+                                 {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow_up.status in ("completed", "incomplete")

@@ -48,6 +48,7 @@ from tritonllm.adapter.protocol import (
     parse_by_shape,
     parse_request,
 )
+from tritonllm.adapter.responses import ResponseObject, ResponsesRequest, response_events, whole_response
 from tritonllm.adapter.runtime_lora import RuntimeAdapters, runtime_lora_allowed
 from tritonllm.adapter.sse import completion_events
 from tritonllm.adapter.settings import AdapterSettings
@@ -144,6 +145,17 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         body = parse_request(await read_body(request, settings.max_body_bytes), CountTokensRequest)
         tokenized = await request.app.state.tokenization.tokenize(body.tokenize_request())
         return CountTokensResponse(input_tokens=tokenized.count)
+
+    @v1.post("/responses", **generation_route_docs(
+        ResponsesRequest, ResponseObject, None, with_auth,
+        stream_description="the Responses events (response.created, response.output_item.added, "
+                           "response.output_text.delta, response.function_call_arguments.delta, ..., "
+                           "response.completed; `event: <type>` and `data: <JSON>` each)"))
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API, stateless, run as a chat completion (tritonllm/adapter/responses.py)."""
+        body = parse_request(await read_body(request, settings.max_body_bytes), ResponsesRequest)
+        return await generate(request, body.chat_request(), lambda first, rest: response_events(first, rest, body),
+                              lambda chat: whole_response(chat, body))
 
     async def engine_metrics() -> list[Metric] | None:
         """Triton's metric families; None when unknown (no --triton-metrics-url) or unreachable."""

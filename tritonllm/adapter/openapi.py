@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from tritonllm.adapter.messages import CountTokensRequest, MessagesRequest
 from tritonllm.adapter.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from tritonllm.adapter.responses import ResponsesRequest
 
 _COMPONENT_REF = "#/components/schemas/{model}"
 
@@ -75,7 +76,7 @@ def install_request_components(app: FastAPI) -> None:
     """Add the request models' nested schemas, which `generation_route_docs` refers to, to the components."""
     nested = {
         name: schema
-        for model in (CompletionRequest, ChatCompletionRequest, MessagesRequest, CountTokensRequest)
+        for model in (CompletionRequest, ChatCompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
         for name, schema in model.model_json_schema(ref_template=_COMPONENT_REF).get("$defs", {}).items()
     }
     generate = app.openapi
