@@ -137,9 +137,9 @@ def test_a_repeated_grammar_is_compiled_once(engine):
     compiled = []
     original = engine.parts.grammars._build
 
-    def counting(name, text):
+    def counting(name, text, reasoning):
         compiled.append(text)
-        return original(name, text)
+        return original(name, text, reasoning)
 
     engine.parts.grammars._build = counting
     try:
@@ -158,9 +158,9 @@ def test_a_slow_compile_does_not_stall_other_requests(engine):
     release = threading.Event()
     original = engine.parts.grammars._build
 
-    def slow(name, text):
+    def slow(name, text, reasoning):
         assert release.wait(30)
-        return original(name, text)
+        return original(name, text, reasoning)
 
     engine.parts.grammars._build = slow
     try:
@@ -186,7 +186,7 @@ def test_a_slow_compile_does_not_stall_other_requests(engine):
 def test_aborting_a_request_while_its_grammar_compiles(engine):
     release = threading.Event()
     original = engine.parts.grammars._build
-    engine.parts.grammars._build = lambda name, text: release.wait(30) and original(name, text)
+    engine.parts.grammars._build = lambda name, text, reasoning: release.wait(30) and original(name, text, reasoning)
     try:
         engine.add_request(Request("abandoned", "Hi", SamplingParams(max_tokens=5, regex="(a|b)c")))
         engine.abort_request("abandoned")

@@ -296,9 +296,7 @@ async def message_events(first: ChatCompletionChunk, rest: AsyncGenerator[ChatCo
     usage = first.usage
     yield _event({"type": "message_start", "message": MessageResponse(
         id=_message_id(first.id), model=first.model, content=[], stop_reason=None, stop_sequence=None,
-        usage=MessageUsage(input_tokens=usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens,
-                           output_tokens=0, cache_read_input_tokens=usage.prompt_tokens_details.cached_tokens),
-    ).model_dump()})
+        usage=message_usage(usage).model_copy(update={"output_tokens": 0})).model_dump()})
     finish: tuple[str | None, str | int | None] = (None, None)
     try:
         async with aclosing(rest):

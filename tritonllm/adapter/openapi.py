@@ -16,6 +16,10 @@ from tritonllm.adapter.protocol import ChatCompletionRequest, CompletionRequest,
 from tritonllm.adapter.responses import ResponsesRequest
 
 _COMPONENT_REF = "#/components/schemas/{model}"
+# One server-sent event of a stream: its `data` (JSON, or [DONE]) and, for the Messages and Responses APIs, its
+# `event` name.
+_SSE_EVENT_SCHEMA = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                     "required": ["data"]}
 
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a bad parameter value, or a limit exceeded (`param` names it)",
@@ -52,7 +56,7 @@ def generation_route_docs(
             200: {
                 "model": response_model,
                 "description": f"The answer, or with `stream: true` {stream_description}",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                "content": {"text/event-stream": {"schema": _SSE_EVENT_SCHEMA}},
             },
             **error_responses(*errors, model=error_model),
         },
