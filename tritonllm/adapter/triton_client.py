@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, InferInput, InferResult
 from tritonclient.grpc.aio import InferenceServerClient
-from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, triton_to_np_dtype
+from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
 from tritonllm.interface.api_key import triton_headers
 from tritonllm.interface.errors import decode
