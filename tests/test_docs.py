@@ -142,12 +142,14 @@ def test_output_pattern():
 
 @pytest.fixture(scope="module")
 def docs_stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The server the docs talk to: `make serve`'s defaults, plus the adapters the LoRA examples name."""
+    """The server the docs talk to: `make serve`'s defaults, plus the adapters the LoRA examples name, and int4
+    weights (what `auto` picks for the default model on an x86 CPU with the C kernels) without timing each format
+    at load, which takes minutes on a busy 2-core host."""
     lora_dir = tmp_path_factory.mktemp("docs-lora")
     for seed, name in enumerate(DOC_LORA_ADAPTERS, start=1):
         write_random_adapter(lora_dir / name, default_model_dir, seed=seed)
-    with running_stack(default_model_dir, tmp_path_factory.mktemp("docs-stack"), "--lora-dir", str(lora_dir),
-                       "--allow-runtime-lora", "true", lora_dir=lora_dir) as process:
+    with running_stack(default_model_dir, tmp_path_factory.mktemp("docs-stack"), "--weight-format", "int4",
+                       "--lora-dir", str(lora_dir), "--allow-runtime-lora", "true", lora_dir=lora_dir) as process:
         yield process.stack
 
 
