@@ -246,9 +246,10 @@ def test_paths_named_in_the_docs_exist():
     assert missing == []
 
 
-def test_every_module_architecture_names_exists():
-    """ARCHITECTURE.md names modules by their file name alone (`core_loop.py`) inside a package's list; a module
-    renamed or gone fails here."""
-    files = {path.name for folder in ("tritonllm", "tests", "bench") for path in (REPO_ROOT / folder).rglob("*.py")}
-    named = set(re.findall(r"`(?:[\w/]+/)?(\w+\.py)`", (REPO_ROOT / "ARCHITECTURE.md").read_text()))
-    assert sorted(named - files) == []
+def test_every_source_file_the_docs_name_exists():
+    """The docs name modules by their file name alone (`core_loop.py`, `attention.c`) inside a package's list; a
+    file renamed or gone fails here."""
+    files = {path.name for folder in ("tritonllm", "tests", "bench", "examples") for path in (REPO_ROOT / folder).rglob("*")}
+    named = {f"{path.relative_to(REPO_ROOT)}: {name}" for path in LINKED_FILES
+             for name in re.findall(r"`(?:[\w/]+/)?(\w+\.(?:py|c|h))`", path.read_text()) if name not in files}
+    assert sorted(named) == []
