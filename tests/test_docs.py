@@ -38,7 +38,7 @@ DOCUMENTED_ADDRESSES = {"127.0.0.1:9000": "adapter", "127.0.0.1:8000": "http", "
                         "127.0.0.1:8002": "metrics"}
 # The adapters the docs' LoRA examples name.
 DOC_LORA_ADAPTERS = ("sql-expert", "team/summarizer")
-BLOCK_TIMEOUT_S = 180
+BLOCK_TIMEOUT_S = 300  # seconds on an idle host; minutes on a busy 2-core one
 # bash blocks: fail on the first failing command, and curl fails on an HTTP error status (the docs' curl lines
 # stay plain; an error answer still prints its body).
 BASH_PRELUDE = "set -euo pipefail\ncurl() { command curl --fail-with-body \"$@\"; }\n"
