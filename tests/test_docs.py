@@ -25,7 +25,6 @@ import pytest
 from lora_helpers import write_random_adapter
 from stack_helpers import REPO_ROOT, running_stack
 
-from tritonllm.cli import build_parser
 
 DOC_FILES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 LINKED_FILES = [*DOC_FILES, REPO_ROOT / "ARCHITECTURE.md", REPO_ROOT / "bench" / "RESULTS.md"]
@@ -179,10 +178,11 @@ def test_block_runs_against_the_stack(block: Block, docs_stack, tmp_path):
 # --- README's options table ------------------------------------------------------------------------------------
 
 def serve_options() -> set[str]:
-    parser = build_parser()
-    serve = parser._subparsers._group_actions[0].choices["serve"]
-    return {option for action in serve._actions for option in action.option_strings
-            if option.startswith("--") and option != "--help"}
+    """The options `tritonllm serve --help` lists (its usage lines)."""
+    result = subprocess.run([sys.executable, "-m", "tritonllm", "serve", "--help"], capture_output=True, text=True,
+                            check=True, cwd=REPO_ROOT)
+    usage = result.stdout.split("\noptions:")[0]
+    return set(re.findall(r"\[(--[a-z0-9-]+)", usage)) - {"--help"}
 
 
 def readme_options_table() -> set[str]:
