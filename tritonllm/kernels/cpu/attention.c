@@ -23,99 +23,149 @@ static inline float cached(const void *row, int64_t i, int half) {
     return half ? _cvtsh_ss(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
-typedef struct { /* one thread's scratch: scores of G heads over the longest context, and their outputs */
+#define QUERY_TILE 8 /* a prefill chunk's consecutive query positions reading each K/V tile together */
+#define KEY_TILE 64   /* positions a query tile reads from L1: 16 KiB of one kv head's fp32 keys (whole vectors) */
+
+typedef struct { /* one thread's scratch: a query tile's G heads' scores over the longest context and outputs */
     float *scores, *acc;
-    int64_t row_len;
+    int64_t *rows; /* each context position's element offset in the caches (for this task's kv head) */
+    int64_t row_len, query_stride;
 } AttentionScratch;
 
 static AttentionScratch scratch_for(int64_t group, int64_t D, int64_t max_context) {
     const int64_t padded_group = (group + HEAD_TILE - 1) / HEAD_TILE * HEAD_TILE;
     const int64_t row_len = max_context + VLEN; /* a score row: whole vectors of positions */
     /* calloc: the padding heads' weights stay 0 */
-    return (AttentionScratch){calloc((size_t)(padded_group * row_len), 4), malloc((size_t)(padded_group * D * 4)),
-                              row_len};
+    return (AttentionScratch){calloc((size_t)(QUERY_TILE * padded_group * row_len), 4),
+                              malloc((size_t)(QUERY_TILE * padded_group * D * 4)),
+                              malloc((size_t)(row_len * 8)), row_len, padded_group * row_len};
 }
 
 static void free_scratch(AttentionScratch scratch) {
+    free(scratch.rows);
     free(scratch.acc);
     free(scratch.scores);
 }
 
-/* One query position's G heads (qs: G heads of D back to back) attending to the first n positions of a sequence
- * (table: its blocks) through kv head g; out: G heads of D. Decode and prefill rows both come here, so a
- * position's result does not depend on how it was batched. Inlined with `half` a constant: a copy per cache type. */
-static inline __attribute__((always_inline)) void attend(
-    const float *qs, int64_t group, int64_t D, int64_t n, const int64_t *table, const void *k_cache,
-    const void *v_cache, int64_t block_size, int64_t kv_heads, int64_t g, float scale, AttentionScratch scratch,
-    float *out, const int half) {
-    float *const scores = scratch.scores, *const acc = scratch.acc;
-    const int64_t row_len = scratch.row_len, row_bytes = D * (half ? 2 : 4);
-/* this kv head's row of position p in a cache */
-#define head_row(cache, p) \
-    cache_row(cache, ((table[(p) / block_size] * block_size + (p) % block_size) * kv_heads + g) * D, half)
-    for (int64_t p0 = 0; p0 < n; p0 += VLEN) { /* VLEN positions' dot products, summed together */
-        for (int64_t p = p0 + VLEN; p < p0 + 2 * VLEN && p < n; p++) /* the next ones' keys */
-            for (int64_t byte = 0; byte < row_bytes; byte += 64)
-                __builtin_prefetch((const char *)head_row(k_cache, p) + byte, 0, 3);
-        for (int64_t h = 0; h < group; h++) {
-            const float *qh = qs + h * D;
-            vf partial[VLEN];
-            for (int64_t j = 0; j < VLEN; j++) {
-                partial[j] = (vf){0};
-                if (p0 + j >= n) continue;
-                const void *k = head_row(k_cache, p0 + j);
-                int64_t c = 0;
-                for (; c + VLEN <= D; c += VLEN) partial[j] += load(qh + c) * load_cached(k, c, half);
-                for (; c < D; c++) partial[j][0] += qh[c] * cached(k, c, half);
-            }
-            store(scores + h * row_len + p0, lane_sums(partial) * scale);
+/* partial[j]: the lanes of q · keys[j] for j < count (the rest 0), each summed over D's vectors in order, then
+ * its tail in lane 0. A whole vector of keys goes interleaved: VLEN independent sums keep the FMA units busy where
+ * one key's sum at a time waits on each FMA's latency. */
+static inline __attribute__((always_inline)) void key_partials(const float *q, int64_t D, const void *const *keys,
+                                                                int64_t count, vf *partial, const int half) {
+    for (int j = 0; j < VLEN; j++) partial[j] = (vf){0};
+    const int64_t whole = D / VLEN * VLEN;
+    if (count == VLEN)
+        for (int64_t c = 0; c < whole; c += VLEN) {
+            const vf qc = load(q + c);
+            for (int j = 0; j < VLEN; j++) partial[j] += qc * load_cached(keys[j], c, half);
         }
-    }
-    for (int64_t h = 0; h < group; h++) {
-        float *row = scores + h * row_len;
-        vf top = splat(-INFINITY);
-        int64_t p = 0;
-        for (; p + VLEN <= n; p += VLEN) top = vmax(top, load(row + p));
-        float highest = -INFINITY;
-        for (int i = 0; i < VLEN; i++) highest = top[i] > highest ? top[i] : highest;
-        for (; p < n; p++) highest = row[p] > highest ? row[p] : highest;
-        for (p = 0; p + VLEN <= n; p += VLEN) store(row + p, exp_lanes(load(row + p) - highest));
-        for (; p < n; p++) row[p] = exp_approx(row[p] - highest);
-        vf total = {0};
-        for (p = 0; p + VLEN <= n; p += VLEN) total += load(row + p);
-        float sum = lane_sum(total);
-        for (; p < n; p++) sum += row[p];
-        const float inverse = 1.0f / sum;
-        for (p = 0; p < n; p++) row[p] *= inverse;
-    }
-    /* each value row read once for HEAD_TILE heads: their accumulators stay in registers over the context */
-    for (int64_t h0 = 0; h0 < group; h0 += HEAD_TILE) {
-        const float *weights = scores + h0 * row_len;
-        int64_t c = 0;
-        for (; c + VALUE_CHUNK * VLEN <= D; c += VALUE_CHUNK * VLEN) {
-            vf sums[HEAD_TILE][VALUE_CHUNK] = {{{0}}};
-            for (int64_t p = 0; p < n; p++) {
-                const void *v = head_row(v_cache, p);
-                if (p + VLEN < n) __builtin_prefetch(cache_row(head_row(v_cache, p + VLEN), c, half), 0, 3);
-                vf values[VALUE_CHUNK];
-                for (int i = 0; i < VALUE_CHUNK; i++) values[i] = load_cached(v, c + i * VLEN, half);
-                for (int hh = 0; hh < HEAD_TILE; hh++) {
-                    const vf w = splat(weights[hh * row_len + p]);
-                    for (int i = 0; i < VALUE_CHUNK; i++) sums[hh][i] += w * values[i];
+    else
+        for (int64_t j = 0; j < count; j++)
+            for (int64_t c = 0; c < whole; c += VLEN) partial[j] += load(q + c) * load_cached(keys[j], c, half);
+    for (int64_t c = whole; c < D; c++)
+        for (int64_t j = 0; j < count; j++) partial[j][0] += q[c] * cached(keys[j], c, half);
+}
+
+/* Query positions 0 .. queries - 1 of a tile (query i: G heads of D back to back at qs + i * q_stride) attending
+ * through kv head g to the first n + i positions of a sequence (table: its blocks); query i's G heads of D go to
+ * out + i * out_stride. Each query's arithmetic is the same whatever the tile (its dot products, softmax and
+ * weighted sums in the same order, a sum carried through memory between key tiles unrounded): decode rows (a tile
+ * of one) and prefill rows give a position the same bits, however it was batched or chunked; the tile only shares
+ * the loads, each K and V row read from memory once per tile instead of once per query. Inlined with `half` a
+ * constant: a copy per cache type. */
+static inline __attribute__((always_inline)) void attend(
+    const float *qs, int64_t q_stride, int64_t queries, int64_t group, int64_t D, int64_t n, const int64_t *table,
+    const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads, int64_t g, float scale,
+    AttentionScratch scratch, float *out, int64_t out_stride, const int half) {
+    float *const scores = scratch.scores, *const acc = scratch.acc;
+    int64_t *const rows = scratch.rows;
+    const int64_t row_len = scratch.row_len, query_stride = scratch.query_stride, last_n = n + queries - 1;
+    const int64_t padded_group = query_stride / row_len, row_bytes = D * (half ? 2 : 4);
+    const int64_t chunk_bytes = VALUE_CHUNK * VLEN * (half ? 2 : 4);
+    for (int64_t p = 0; p < last_n; p++)
+        rows[p] = ((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D;
+    for (int64_t t0 = 0; t0 < last_n; t0 += KEY_TILE) {
+        for (int64_t i = 0; i < queries; i++) {
+            const float *q = qs + i * q_stride;
+            float *const query_scores = scores + i * query_stride;
+            const int64_t n_i = n + i, end = t0 + KEY_TILE < n_i ? t0 + KEY_TILE : n_i;
+            for (int64_t p0 = t0; p0 < end; p0 += VLEN) { /* VLEN positions' dot products, summed together */
+                for (int64_t p = p0 + KEY_TILE; i == 0 && p < p0 + KEY_TILE + VLEN && p < last_n; p++)
+                    for (int64_t byte = 0; byte < row_bytes; byte += 64) /* the next tile's keys */
+                        __builtin_prefetch((const char *)cache_row(k_cache, rows[p], half) + byte, 0, 3);
+                const int64_t count = n_i - p0 < VLEN ? n_i - p0 : VLEN;
+                const void *keys[VLEN];
+                for (int64_t j = 0; j < count; j++) keys[j] = cache_row(k_cache, rows[p0 + j], half);
+                for (int64_t h = 0; h < group; h++) {
+                    vf partial[VLEN];
+                    key_partials(q + h * D, D, keys, count, partial, half);
+                    store(query_scores + h * row_len + p0, lane_sums(partial) * scale);
                 }
             }
-            for (int hh = 0; hh < HEAD_TILE; hh++)
-                for (int i = 0; i < VALUE_CHUNK; i++) store(acc + (h0 + hh) * D + c + i * VLEN, sums[hh][i]);
         }
-        for (; c < D; c++)
-            for (int hh = 0; hh < HEAD_TILE; hh++) {
-                float sum = 0.0f;
-                for (int64_t p = 0; p < n; p++) sum += weights[hh * row_len + p] * cached(head_row(v_cache, p), c, half);
-                acc[(h0 + hh) * D + c] = sum;
-            }
     }
-#undef head_row
-    memcpy(out, acc, (size_t)(group * D * 4));
+    for (int64_t i = 0; i < queries; i++)
+        for (int64_t h = 0; h < group; h++) {
+            const int64_t n_i = n + i;
+            float *row = scores + i * query_stride + h * row_len;
+            vf top = splat(-INFINITY);
+            int64_t p = 0;
+            for (; p + VLEN <= n_i; p += VLEN) top = vmax(top, load(row + p));
+            float highest = -INFINITY;
+            for (int l = 0; l < VLEN; l++) highest = top[l] > highest ? top[l] : highest;
+            for (; p < n_i; p++) highest = row[p] > highest ? row[p] : highest;
+            for (p = 0; p + VLEN <= n_i; p += VLEN) store(row + p, exp_lanes(load(row + p) - highest));
+            for (; p < n_i; p++) row[p] = exp_approx(row[p] - highest);
+            vf total = {0};
+            for (p = 0; p + VLEN <= n_i; p += VLEN) total += load(row + p);
+            float sum = lane_sum(total);
+            for (; p < n_i; p++) sum += row[p];
+            const float inverse = 1.0f / sum;
+            for (p = 0; p < n_i; p++) row[p] *= inverse;
+        }
+    /* each value row read once per tile for HEAD_TILE heads of each query: their sums stay in registers over a key
+     * tile's positions, in memory between tiles */
+    memset(acc, 0, (size_t)(queries * padded_group * D * 4));
+    for (int64_t t0 = 0; t0 < last_n; t0 += KEY_TILE) {
+        for (int64_t i = 0; i < queries; i++) {
+            const int64_t n_i = n + i, end = t0 + KEY_TILE < n_i ? t0 + KEY_TILE : n_i;
+            for (int64_t h0 = 0; h0 < group; h0 += HEAD_TILE) {
+                const float *weights = scores + i * query_stride + h0 * row_len;
+                float *sums_at = acc + (i * padded_group + h0) * D;
+                int64_t c = 0;
+                for (; c + VALUE_CHUNK * VLEN <= D; c += VALUE_CHUNK * VLEN) {
+                    vf sums[HEAD_TILE][VALUE_CHUNK];
+                    for (int hh = 0; hh < HEAD_TILE; hh++)
+                        for (int l = 0; l < VALUE_CHUNK; l++) sums[hh][l] = load(sums_at + hh * D + c + l * VLEN);
+                    for (int64_t p = t0; p < end; p++) {
+                        const void *v = cache_row(v_cache, rows[p], half);
+                        if (i == 0 && p + KEY_TILE < last_n) { /* the next tile's values */
+                            const char *ahead = cache_row(v_cache, rows[p + KEY_TILE] + c, half);
+                            for (int64_t byte = 0; byte < chunk_bytes; byte += 64)
+                                __builtin_prefetch(ahead + byte, 0, 3);
+                        }
+                        vf values[VALUE_CHUNK];
+                        for (int l = 0; l < VALUE_CHUNK; l++) values[l] = load_cached(v, c + l * VLEN, half);
+                        for (int hh = 0; hh < HEAD_TILE; hh++) {
+                            const vf w = splat(weights[hh * row_len + p]);
+                            for (int l = 0; l < VALUE_CHUNK; l++) sums[hh][l] += w * values[l];
+                        }
+                    }
+                    for (int hh = 0; hh < HEAD_TILE; hh++)
+                        for (int l = 0; l < VALUE_CHUNK; l++) store(sums_at + hh * D + c + l * VLEN, sums[hh][l]);
+                }
+                for (; c < D; c++)
+                    for (int hh = 0; hh < HEAD_TILE; hh++) {
+                        float sum = sums_at[hh * D + c];
+                        for (int64_t p = t0; p < end; p++)
+                            sum += weights[hh * row_len + p] * cached(cache_row(v_cache, rows[p], half), c, half);
+                        sums_at[hh * D + c] = sum;
+                    }
+            }
+        }
+    }
+    for (int64_t i = 0; i < queries; i++)
+        memcpy(out + i * out_stride, acc + i * padded_group * D, (size_t)(group * D * 4));
 }
 
 /* One-token queries: q [S] rows of q_stride floats, heads of D at h * D; sequence s attends to its first
@@ -135,11 +185,11 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
             const int64_t *table = block_tables + s * table_stride;
             float *at = out + (s * H + g * group) * D;
             if (half)
-                attend(qs, group, D, context_lens[s], table, k_cache, v_cache, block_size, kv_heads, g, scale, scratch,
-                       at, 1);
+                attend(qs, q_stride, 1, group, D, context_lens[s], table, k_cache, v_cache, block_size, kv_heads, g,
+                       scale, scratch, at, H * D, 1);
             else
-                attend(qs, group, D, context_lens[s], table, k_cache, v_cache, block_size, kv_heads, g, scale, scratch,
-                       at, 0);
+                attend(qs, q_stride, 1, group, D, context_lens[s], table, k_cache, v_cache, block_size, kv_heads, g,
+                       scale, scratch, at, H * D, 0);
         }
         free_scratch(scratch);
     }
@@ -148,38 +198,44 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
 /* Prefill chunks, causal: chunk c's queries are rows query_starts[c] .. + query_lens[c] of q (rows of q_stride
  * floats) and the last query_lens[c] of its context_lens[c] positions (those before: a cached prefix or earlier
  * chunks); each attends to its own position and the ones before. block_tables: [chunks][table_stride] int64;
- * out: [rows][H][D]. */
+ * out: [rows][H][D]. A task: QUERY_TILE consecutive queries of a chunk and one kv head. */
 void paged_prefill_attention(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
                              const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
                              const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
                              const int64_t *block_tables, int64_t table_stride, float scale, float *out,
                              int64_t half) {
     const int64_t group = H / kv_heads;
-    int64_t rows = 0, max_context = 0;
+    int64_t tiles = 0, max_context = 0;
+    int64_t *first_tile = malloc((size_t)((chunks + 1) * 8)); /* chunk c's tiles: first_tile[c] .. [c + 1] - 1 */
     for (int64_t c = 0; c < chunks; c++) {
-        rows = query_starts[c] + query_lens[c] > rows ? query_starts[c] + query_lens[c] : rows;
+        first_tile[c] = tiles;
+        tiles += (query_lens[c] + QUERY_TILE - 1) / QUERY_TILE;
         max_context = context_lens[c] > max_context ? context_lens[c] : max_context;
     }
+    first_tile[chunks] = tiles;
 #pragma omp parallel
     {
         const AttentionScratch scratch = scratch_for(group, D, max_context);
-        int64_t c = 0; /* the chunk of the last task (tasks come in row order to each thread) */
+        int64_t c = 0; /* the chunk of the last task (tasks come in order to each thread) */
 #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < rows * kv_heads; task++) {
-            const int64_t row = task / kv_heads, g = task % kv_heads;
-            if (row < query_starts[c]) c = 0;
-            while (row >= query_starts[c] + query_lens[c]) c++;
-            const int64_t position = context_lens[c] - query_lens[c] + (row - query_starts[c]);
+        for (int64_t task = 0; task < tiles * kv_heads; task++) {
+            const int64_t tile = task / kv_heads, g = task % kv_heads;
+            if (tile < first_tile[c]) c = 0;
+            while (tile >= first_tile[c + 1]) c++;
+            const int64_t first = (tile - first_tile[c]) * QUERY_TILE; /* the tile's first query in its chunk */
+            const int64_t queries = query_lens[c] - first < QUERY_TILE ? query_lens[c] - first : QUERY_TILE;
+            const int64_t row = query_starts[c] + first, position = context_lens[c] - query_lens[c] + first;
             const float *qs = q + row * q_stride + g * group * D;
             const int64_t *table = block_tables + c * table_stride;
             float *at = out + (row * H + g * group) * D;
             if (half)
-                attend(qs, group, D, position + 1, table, k_cache, v_cache, block_size, kv_heads, g, scale, scratch,
-                       at, 1);
+                attend(qs, q_stride, queries, group, D, position + 1, table, k_cache, v_cache, block_size, kv_heads, g,
+                       scale, scratch, at, H * D, 1);
             else
-                attend(qs, group, D, position + 1, table, k_cache, v_cache, block_size, kv_heads, g, scale, scratch,
-                       at, 0);
+                attend(qs, q_stride, queries, group, D, position + 1, table, k_cache, v_cache, block_size, kv_heads, g,
+                       scale, scratch, at, H * D, 0);
         }
         free_scratch(scratch);
     }
+    free(first_tile);
 }
