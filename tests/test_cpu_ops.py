@@ -282,6 +282,25 @@ def test_a_prefill_row_equals_the_same_position_decoded(cache_dtype):
         assert torch.equal(decoded[0], prefill[row])
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (6, 2, 72)])
+def test_prefill_rows_do_not_depend_on_chunking_or_tiles(heads, kv_heads, head_dim, cache_dtype):
+    """The prefill op reads K/V in tiles of query positions: a prompt's rows (140 after a 10-token cached prefix:
+    whole and partial query and key tiles) come out the same to the bit as one chunk, as two chunks batched after
+    another sequence's, and as decode rows."""
+    k_cache, v_cache = (torch.randn(30, 16, kv_heads, head_dim).to(cache_dtype) for _ in range(2))
+    tables = torch.randperm(30).view(3, 10)
+    q = torch.randn(140, heads, head_dim) * 3
+    i32 = lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    whole = cpu.prefill_attention(q, k_cache, v_cache, i32(0), i32(140), i32(150), tables[:1], head_dim ** -0.5)
+    other = torch.randn(21, heads, head_dim)  # another sequence's chunk first: the prompt's rows start at 21
+    split = cpu.prefill_attention(torch.cat([other, q]), k_cache, v_cache, i32(0, 21, 64), i32(21, 43, 97),
+                                  i32(45, 53, 150), tables[[2, 0, 0]], head_dim ** -0.5)[21:]
+    decoded = cpu.paged_decode_attention(q, k_cache, v_cache, tables[:1].expand(140, -1),
+                                         torch.arange(11, 151, dtype=torch.int32), head_dim ** -0.5)
+    assert torch.equal(whole, split) and torch.equal(whole, decoded)
+
+
 def test_the_engine_ops_use_them_on_float32_cpu_tensors(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu._library, "silu_and_mul", lambda *args: calls.append(args))

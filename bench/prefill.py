@@ -1,0 +1,147 @@
+"""Long prompts in-process (no Triton): TTFT and prefill tok/s of one prompt at each length, with the share of that
+time in prefill attention, and the ITL of running decode streams while a long prompt arrives. With --before, a git
+revision's CPU ops and this checkout's are swapped between runs, alternating (the host's drift between separate
+processes can exceed the change), as bench/cpu_ops_ab.py does.
+
+    .venv/bin/python bench/prefill.py [--lengths 512,2048,8000] [--rounds 2] [--before main]
+    .venv/bin/python bench/prefill.py --lengths 0 --streams 8 --arrival 8000   # ITL while an 8k prompt prefills
+
+Prompts are random token ids, new each run (prefix caching never hits); the model is the default one (8,192
+positions: 8,000 prompt tokens leave room for the output)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+
+from tritonllm import kernels  # noqa: E402
+from tritonllm.engine.config import EngineConfig  # noqa: E402
+from tritonllm.engine.llm_engine import LLMEngine, Request  # noqa: E402
+from tritonllm.interface.parameters import SamplingParams  # noqa: E402
+from tritonllm.kernels import cpu  # noqa: E402
+from tritonllm.model_files import prepare_default_model  # noqa: E402
+from cpu_ops_ab import built_ops  # noqa: E402
+
+_prompts = torch.Generator().manual_seed(0)
+
+
+def random_prompt(tokens: int) -> list[int]:
+    return torch.randint(1000, 40000, (tokens,), generator=_prompts).tolist()
+
+
+class AttentionClock:
+    """Wall time inside the engine's prefill attention op (the layers call it through the kernels module)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._op = kernels.prefill_attention
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return self._op(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        kernels.prefill_attention = timed
+
+
+def ttft(engine: LLMEngine, tokens: int, clock: AttentionClock) -> tuple[float, float]:
+    """One request of `tokens` prompt tokens: (seconds to its first token, of them in prefill attention)."""
+    clock.seconds = 0.0
+    engine.add_request(Request(f"prefill-{tokens}-{time.monotonic_ns()}", random_prompt(tokens),
+                               SamplingParams(max_tokens=1, temperature=0.0)))
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - started, clock.seconds
+
+
+def itl_during_arrival(engine: LLMEngine, streams: int, arrival: int, steps: int) -> tuple[list[float], list[float]]:
+    """`streams` decoding streams: their step times over `steps` steps alone, then while a prompt of `arrival`
+    tokens prefills (until its first token)."""
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(streams):
+        engine.add_request(Request(f"stream-{i}-{time.monotonic_ns()}", random_prompt(64), params))
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.core.scheduler.running) or \
+            len(engine.core.scheduler.running) < streams:
+        engine.step()
+    alone, during = [], []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        alone.append(time.perf_counter() - started)
+    long_id = f"arrival-{time.monotonic_ns()}"
+    engine.add_request(Request(long_id, random_prompt(arrival), SamplingParams(max_tokens=1, temperature=0.0)))
+    while True:
+        started = time.perf_counter()
+        outputs = engine.step()
+        during.append(time.perf_counter() - started)
+        if any(o.request_id == long_id for o in outputs):
+            break
+    engine.abort_all()
+    engine.step()
+    return alone, during
+
+
+def percentile(values: list[float], q: float) -> float:
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="512,2048,8000", help="prompt tokens (0: none)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each build per length")
+    parser.add_argument("--before", help="a git revision whose CPU ops run alternately with this checkout's")
+    parser.add_argument("--streams", type=int, default=0, help="decode streams for the ITL measurement (0: none)")
+    parser.add_argument("--arrival", type=int, default=8000, help="prompt tokens arriving while they decode")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--weight-format", default="auto")
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model_path=str(prepare_default_model()), weight_format=args.weight_format,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    clock = AttentionClock()
+    print(f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, weights "
+          f"{engine.core.runner.weight_format}, ops -march={cpu.MARCH}, max_num_batched_tokens "
+          f"{args.max_num_batched_tokens}", flush=True)
+    with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
+        builds = {"this checkout": cpu._library}
+        if args.before:
+            builds = {f"before ({args.before})": built_ops(args.before, Path(before_dir)),
+                      "after (this checkout)": built_ops(None, Path(after_dir))}
+        ttft(engine, 64, clock)  # warm-up
+        for tokens in (int(n) for n in args.lengths.split(",") if int(n)):
+            results: dict[str, list[tuple[float, float]]] = {name: [] for name in builds}
+            for _ in range(args.rounds):
+                for name, library in builds.items():
+                    cpu._library = library
+                    seconds, attention = ttft(engine, tokens, clock)
+                    results[name].append((seconds, attention))
+                    print(f"  {tokens} tokens, {name}: TTFT {seconds:.2f} s ({tokens / seconds:.0f} tok/s), "
+                          f"prefill attention {attention:.2f} s ({attention / seconds:.0%})", flush=True)
+            for name, runs in results.items():
+                seconds = statistics.median(s for s, _ in runs)
+                attention = statistics.median(a for _, a in runs)
+                print(f"{tokens} tokens, {name}: median TTFT {seconds:.2f} s, {tokens / seconds:.0f} tok/s, "
+                      f"attention {attention:.2f} s", flush=True)
+        if args.streams:
+            for name, library in builds.items():
+                cpu._library = library
+                alone, during = itl_during_arrival(engine, args.streams, args.arrival, steps=50)
+                print(f"{args.streams} streams, {name}: ITL alone p50 {statistics.median(alone) * 1e3:.1f} ms, "
+                      f"p99 {percentile(alone, 0.99) * 1e3:.1f} ms; while {args.arrival} tokens prefill "
+                      f"({len(during)} steps, {sum(during):.1f} s) p50 {statistics.median(during) * 1e3:.1f} ms, "
+                      f"p99 {percentile(during, 0.99) * 1e3:.1f} ms, max {max(during) * 1e3:.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
