@@ -5,6 +5,12 @@ processes can exceed the change), as bench/cpu_ops_ab.py does.
 
     .venv/bin/python bench/prefill.py [--lengths 512,2048,8000] [--rounds 2] [--before main]
     .venv/bin/python bench/prefill.py --lengths 0 --streams 8 --arrival 8000   # ITL while an 8k prompt prefills
+    OMP_NUM_THREADS=1 .venv/bin/python bench/prefill.py --op --before main --torch   # the attention op alone
+
+--op times the prefill attention op alone over a prompt's chunks (max_num_batched_tokens each, the default model's
+9 query heads, 3 KV heads, head size 64, one layer times 30), in wall and process CPU time: on one thread, CPU time
+is the op's own work even on a busy host; --torch adds torch's scaled_dot_product_attention (the reference op: K/V
+gathered from the paged cache, then its CPU kernel) as a candidate.
 
 Prompts are random token ids, new each run (prefix caching never hits); the model is the default one (8,192
 positions: 8,000 prompt tokens leave room for the output)."""
@@ -28,6 +34,7 @@ from tritonllm.engine.config import EngineConfig  # noqa: E402
 from tritonllm.engine.llm_engine import LLMEngine, Request  # noqa: E402
 from tritonllm.interface.parameters import SamplingParams  # noqa: E402
 from tritonllm.kernels import cpu  # noqa: E402
+from tritonllm.kernels.prefill_attention import prefill_attention_reference  # noqa: E402
 from tritonllm.model_files import prepare_default_model  # noqa: E402
 from cpu_ops_ab import built_ops  # noqa: E402
 
@@ -93,6 +100,25 @@ def itl_during_arrival(engine: LLMEngine, streams: int, arrival: int, steps: int
     return alone, during
 
 
+def attention_op_seconds(tokens: int, chunk: int, op) -> tuple[float, float]:
+    """(wall, CPU) seconds of one layer's prefill attention over a `tokens` prompt in chunks of `chunk`, times the
+    default model's 30 layers."""
+    heads, kv_heads, head_dim, block_size, layers = 9, 3, 64, 16, 30
+    blocks = -(-tokens // block_size)
+    k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim) for _ in range(2))
+    table = torch.randperm(blocks).view(1, blocks)
+    wall = cpu_seconds = 0.0
+    for start in range(0, tokens, chunk):
+        length = min(chunk, tokens - start)
+        q = torch.randn(length, heads, head_dim)
+        lens = [torch.tensor([n], dtype=torch.int32) for n in (0, length, start + length)]
+        started, cpu_started = time.perf_counter(), time.process_time()
+        op(q, k_cache, v_cache, *lens, table, head_dim ** -0.5)
+        wall += time.perf_counter() - started
+        cpu_seconds += time.process_time() - cpu_started
+    return wall * layers, cpu_seconds * layers
+
+
 def percentile(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
@@ -106,7 +132,11 @@ def main() -> None:
     parser.add_argument("--arrival", type=int, default=8000, help="prompt tokens arriving while they decode")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--weight-format", default="auto")
+    parser.add_argument("--op", action="store_true", help="time the prefill attention op alone (no engine)")
+    parser.add_argument("--torch", action="store_true", help="with --op: torch's reference op too")
     args = parser.parse_args()
+    if args.op:
+        return op_main(args)
     engine = LLMEngine(EngineConfig(model_path=str(prepare_default_model()), weight_format=args.weight_format,
                                     max_num_batched_tokens=args.max_num_batched_tokens))
     clock = AttentionClock()
@@ -141,6 +171,34 @@ def main() -> None:
                       f"p99 {percentile(alone, 0.99) * 1e3:.1f} ms; while {args.arrival} tokens prefill "
                       f"({len(during)} steps, {sum(during):.1f} s) p50 {statistics.median(during) * 1e3:.1f} ms, "
                       f"p99 {percentile(during, 0.99) * 1e3:.1f} ms, max {max(during) * 1e3:.1f} ms", flush=True)
+
+
+def library_op(library):
+    """The prefill attention op through a built library of the CPU ops."""
+    def op(*args):
+        cpu._library = library
+        return cpu.prefill_attention(*args)
+    return op
+
+
+def op_main(args: argparse.Namespace) -> None:
+    print(f"{torch.get_num_threads()} threads, ops -march={cpu.MARCH}, chunks of {args.max_num_batched_tokens}")
+    with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
+        ops = {"this checkout": library_op(built_ops(None, Path(after_dir)))}
+        if args.before:
+            ops = {f"before ({args.before})": library_op(built_ops(args.before, Path(before_dir))),
+                   "after (this checkout)": ops["this checkout"]}
+        if args.torch:
+            ops["torch sdpa (reference)"] = prefill_attention_reference
+        for tokens in (int(n) for n in args.lengths.split(",") if int(n)):
+            results: dict[str, list[tuple[float, float]]] = {name: [] for name in ops}
+            for _ in range(args.rounds):
+                for name, op in ops.items():
+                    results[name].append(attention_op_seconds(tokens, args.max_num_batched_tokens, op))
+            for name, runs in results.items():
+                print(f"{tokens} tokens, {name}: attention x30 layers, median wall "
+                      f"{statistics.median(w for w, _ in runs):.2f} s, CPU {statistics.median(c for _, c in runs):.2f} "
+                      f"s (runs' CPU: {', '.join(f'{c:.2f}' for _, c in runs)})", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,18 +26,18 @@ static inline float cached(const void *row, int64_t i, int half) {
 #define QUERY_TILE 8 /* a prefill chunk's consecutive query positions reading each K/V tile together */
 #define KEY_TILE 64   /* positions a query tile reads from L1: 16 KiB of one kv head's fp32 keys (whole vectors) */
 
-typedef struct { /* one thread's scratch: a query tile's G heads' scores over the longest context and outputs */
+typedef struct { /* one thread's scratch: a tile's queries' G heads' scores over the longest context and outputs */
     float *scores, *acc;
     int64_t *rows; /* each context position's element offset in the caches (for this task's kv head) */
     int64_t row_len, query_stride;
 } AttentionScratch;
 
-static AttentionScratch scratch_for(int64_t group, int64_t D, int64_t max_context) {
+static AttentionScratch scratch_for(int64_t queries, int64_t group, int64_t D, int64_t max_context) {
     const int64_t padded_group = (group + HEAD_TILE - 1) / HEAD_TILE * HEAD_TILE;
     const int64_t row_len = max_context + VLEN; /* a score row: whole vectors of positions */
     /* calloc: the padding heads' weights stay 0 */
-    return (AttentionScratch){calloc((size_t)(QUERY_TILE * padded_group * row_len), 4),
-                              malloc((size_t)(QUERY_TILE * padded_group * D * 4)),
+    return (AttentionScratch){calloc((size_t)(queries * padded_group * row_len), 4),
+                              malloc((size_t)(queries * padded_group * D * 4)),
                               malloc((size_t)(row_len * 8)), row_len, padded_group * row_len};
 }
 
@@ -177,7 +177,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t
     const int64_t group = H / kv_heads;
 #pragma omp parallel
     {
-        const AttentionScratch scratch = scratch_for(group, D, max_context);
+        const AttentionScratch scratch = scratch_for(1, group, D, max_context);
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < S * kv_heads; task++) {
             const int64_t s = task / kv_heads, g = task % kv_heads;
@@ -215,7 +215,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, int64_t chunks, c
     first_tile[chunks] = tiles;
 #pragma omp parallel
     {
-        const AttentionScratch scratch = scratch_for(group, D, max_context);
+        const AttentionScratch scratch = scratch_for(QUERY_TILE, group, D, max_context);
         int64_t c = 0; /* the chunk of the last task (tasks come in order to each thread) */
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < tiles * kv_heads; task++) {
