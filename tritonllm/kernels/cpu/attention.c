@@ -82,8 +82,9 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t row_len = scratch.row_len, query_stride = scratch.query_stride, last_n = n + queries - 1;
     const int64_t padded_group = query_stride / row_len, row_bytes = D * (half ? 2 : 4);
     const int64_t chunk_bytes = VALUE_CHUNK * VLEN * (half ? 2 : 4);
-    for (int64_t p = 0; p < last_n; p++)
-        rows[p] = ((table[p / block_size] * block_size + p % block_size) * kv_heads + g) * D;
+    for (int64_t block = 0, p = 0; p < last_n; block++) /* walking the table: no division per position */
+        for (int64_t slot = 0; slot < block_size && p < last_n; slot++, p++)
+            rows[p] = ((table[block] * block_size + slot) * kv_heads + g) * D;
     for (int64_t t0 = 0; t0 < last_n; t0 += KEY_TILE) {
         for (int64_t i = 0; i < queries; i++) {
             const float *q = qs + i * q_stride;
