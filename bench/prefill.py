@@ -76,7 +76,7 @@ def ttft(engine: LLMEngine, tokens: int, clock: AttentionClock) -> tuple[float, 
 def itl_during_arrival(engine: LLMEngine, streams: int, arrival: int, steps: int) -> tuple[list[float], list[float]]:
     """`streams` decoding streams: their step times over `steps` steps alone, then while a prompt of `arrival`
     tokens prefills (until its first token)."""
-    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)  # outlive the arrival
     for i in range(streams):
         engine.add_request(Request(f"stream-{i}-{time.monotonic_ns()}", random_prompt(64), params))
     while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.core.scheduler.running) or \
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--before", help="a git revision whose CPU ops run alternately with this checkout's")
     parser.add_argument("--streams", type=int, default=0, help="decode streams for the ITL measurement (0: none)")
     parser.add_argument("--arrival", type=int, default=8000, help="prompt tokens arriving while they decode")
+    parser.add_argument("--steps", type=int, default=50, help="decode steps timed before the arrival")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--weight-format", default="auto")
     parser.add_argument("--op", action="store_true", help="time the prefill attention op alone (no engine)")
@@ -166,7 +167,7 @@ def main() -> None:
         if args.streams:
             for name, library in builds.items():
                 cpu._library = library
-                alone, during = itl_during_arrival(engine, args.streams, args.arrival, steps=50)
+                alone, during = itl_during_arrival(engine, args.streams, args.arrival, args.steps)
                 print(f"{args.streams} streams, {name}: ITL alone p50 {statistics.median(alone) * 1e3:.1f} ms, "
                       f"p99 {percentile(alone, 0.99) * 1e3:.1f} ms; while {args.arrival} tokens prefill "
                       f"({len(during)} steps, {sum(during):.1f} s) p50 {statistics.median(during) * 1e3:.1f} ms, "
