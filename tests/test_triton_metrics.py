@@ -10,7 +10,7 @@ import pytest
 
 from tritonllm.engine.core.sequence import RequestTimes
 from tritonllm.interface.errors import Cancelled, EngineDead, Overloaded
-from tritonllm.interface.metric_names import FINISH_REASONS, HISTOGRAMS
+from tritonllm.interface.metric_names import FINISH_REASONS, GAUGES, HISTOGRAMS, INTERNAL_ERRORS
 from tritonllm.engine.processing.outputs import ChoiceDelta, RequestOutput
 from tritonllm.engine.triton_metrics import EngineMetrics, RequestTracker
 
@@ -63,6 +63,10 @@ def _published(metrics: EngineMetrics, stats) -> tuple[dict[str, list[float]], d
     return histograms, finished
 
 
+def _none_but(**counts: int) -> dict[str, int]:
+    return {**dict.fromkeys(FINISH_REASONS, 0), **counts}
+
+
 class _Stats:
     running = waiting = free_blocks = total_blocks = prefix_cache_hit_rate = max_model_len = is_dead = 0
     kv_cache_usage = prompt_tokens = generated_tokens = preemptions = 0
@@ -85,7 +89,7 @@ def test_a_finished_request_publishes_its_times_tokens_and_each_choices_finish_r
                       metrics)
     tracker.on_finished(metrics)
     histograms, finished = _published(metrics, _Stats())
-    assert finished == {"stop": 1, "length": 1, "abort": 0, "error": 0}
+    assert finished == _none_but(stop=1, length=1, abort=0, error=0)
     assert histograms["prompt_tokens"] == [7] and histograms["generation_tokens"] == [8]
     [e2e], [queue], [prefill], [decode] = (histograms[key] for key in ("e2e", "queue", "prefill", "decode"))
     assert queue == pytest.approx(0.02)
@@ -101,7 +105,7 @@ def test_a_cancelled_request_counts_its_unfinished_choices_as_aborted(metrics):
                                     times=RequestTimes(time.monotonic(), time.monotonic())), metrics)
     tracker.on_failed(metrics, Cancelled("the request was cancelled"))
     histograms, finished = _published(metrics, _Stats())
-    assert finished == {"stop": 1, "length": 0, "abort": 1, "error": 0}
+    assert finished == _none_but(stop=1, length=0, abort=1, error=0)
     assert len(histograms["e2e"]) == len(histograms["queue"]) == len(histograms["decode"]) == 1
 
 
@@ -121,9 +125,36 @@ def test_a_request_that_fails_in_the_engine_counts_as_error_one_refused_before_i
         refused.on_output(RequestOutput("r", [], 3, 0, True, error=refusal), metrics)
         refused.on_failed(metrics, refusal)
     histograms, finished = _published(metrics, _Stats())
-    assert finished == {"stop": 0, "length": 0, "abort": 0, "error": 1}
+    assert finished == _none_but(stop=0, length=0, abort=0, error=1)
     assert len(histograms["e2e"]) == 1 and histograms["queue"] == []  # never scheduled
 
 
 def test_every_finish_reason_is_exported_from_the_start(metrics):
     assert _published(metrics, _Stats())[1] == dict.fromkeys(FINISH_REASONS, 0)
+
+
+def test_a_tool_call_is_counted_under_its_finish_reason(metrics):
+    tracker = RequestTracker(time.monotonic(), 3, 1)
+    tracker.on_output(RequestOutput("r", [_delta(0, 9, "tool_calls")], 3, 0, True,
+                                    times=RequestTimes(time.monotonic(), time.monotonic())), metrics)
+    tracker.on_finished(metrics)
+    assert _published(metrics, _Stats())[1] == _none_but(tool_calls=1)
+
+
+def test_an_observation_that_fails_is_counted_and_blocks_nothing(metrics, caplog):
+    """A finish reason no counter knows (the KeyError that froze every metric) fails alone, on every poll, and the
+    failures are counted in internal_errors_total and logged once with their count."""
+    stats = _Stats()
+    label_key = tuple(sorted(LABELS.items()))
+    internal_errors = (INTERNAL_ERRORS[0], tuple(sorted({**LABELS, "where": "metrics"}.items())))
+    for poll in range(1, 4):
+        metrics.count_finished("no_such_reason")
+        metrics.record("e2e", 0.5)
+        stats.running = poll
+        stats.generated_tokens = 10 * poll
+        histograms, finished = _published(metrics, stats)
+        assert histograms["e2e"] == [0.5] * poll  # published, and the pending ones cleared
+        assert _FakeMetricFamily.published[(GAUGES["running"][0], label_key)] == [poll]
+        assert sum(_FakeMetricFamily.published[("tritonllm:generation_tokens_total", label_key)]) == 10 * poll
+        assert sum(_FakeMetricFamily.published[internal_errors]) == poll
+    assert len([r for r in caplog.records if "internal error in metrics" in r.getMessage()]) == 1

@@ -5,12 +5,51 @@ Takes the `triton_python_backend_utils` module as an argument, so this file impo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 
 from tritonllm.interface.errors import Cancelled
-from tritonllm.interface.metric_names import COUNTERS, FINISH_REASONS, FINISHED, GAUGES, HISTOGRAMS, LORA_LOADED
+from tritonllm.interface.metric_names import (COUNTERS, FINISH_REASONS, FINISHED, GAUGES, HISTOGRAMS, INTERNAL_ERRORS,
+                                              LORA_LOADED)
+from tritonllm.interface.tensors import FinishReason
 from tritonllm.engine.processing.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class InternalErrors:
+    """Failures of background work that the engine survives (a responder job, one metric observation): each is
+    counted in tritonllm:internal_errors_total by where it happened, the first of each place is logged with its
+    traceback, and the later ones in one line with their count at most every LOG_INTERVAL_S, so a failure that
+    repeats on every turn of a loop is seen (in the log and the counter) without flooding the log."""
+
+    LOG_INTERVAL_S = 60.0
+
+    def __init__(self, family, labels: dict[str, str]):
+        self._family = family
+        self._labels = labels
+        self._counters = {}  # where → its counter
+        self._unlogged: Counter[str] = Counter()  # where → failures since the last log line
+        self._logged_at: dict[str, float] = {}
+
+    def report(self, where: str, error: BaseException) -> None:
+        counter = self._counters.get(where)
+        if counter is None:
+            counter = self._counters[where] = self._family.Metric(labels={**self._labels, "where": where})
+        counter.increment(1.0)
+        now = time.monotonic()
+        last = self._logged_at.get(where)
+        if last is None:
+            self._logged_at[where] = now
+            log.error("internal error in %s (counted in %s; repeats are logged once a minute with their count)",
+                      where, INTERNAL_ERRORS[0], exc_info=error)
+            return
+        self._unlogged[where] += 1
+        if now - last >= self.LOG_INTERVAL_S:
+            log.error("internal error in %s repeated %d times in the last %.0f s, the latest: %r", where,
+                      self._unlogged.pop(where), now - last, error)
+            self._logged_at[where] = now
 
 
 class EngineMetrics:
@@ -33,9 +72,10 @@ class EngineMetrics:
             labels=labels, buckets=buckets) for key, (name, description, buckets) in HISTOGRAMS.items()}
         self.pending: dict[str, list[float]] = {key: [] for key in HISTOGRAMS}
         finished = family(*FINISHED, pb_utils.MetricFamily.COUNTER)  # every reason exported from the start (at 0)
-        self.finished = {reason: finished.Metric(labels={**labels, "finished_reason": reason})
+        self.finished = {reason: finished.Metric(labels={**labels, "finished_reason": str(reason)})
                          for reason in FINISH_REASONS}
         self.pending_finished: Counter[str] = Counter()
+        self.internal_errors = InternalErrors(family(*INTERNAL_ERRORS, pb_utils.MetricFamily.COUNTER), labels)
 
     def record(self, histogram: str, value: float) -> None:
         """Note an observation; `update` publishes it (each observation is a round trip to tritonserver, which
@@ -47,24 +87,34 @@ class EngineMetrics:
         self.pending_finished[reason] += 1
 
     def update(self, stats) -> None:
-        """Publish an EngineStats snapshot and the observations recorded since the last update."""
-        for key, values in self.pending.items():
+        """Publish an EngineStats snapshot and the observations recorded since the last update. Each is published
+        on its own: one that fails is reported (InternalErrors) and dropped, and never holds up the others."""
+        pending, self.pending = self.pending, {key: [] for key in HISTOGRAMS}
+        finished, self.pending_finished = self.pending_finished, Counter()
+        for key, values in pending.items():
             for value in values:
-                self.histograms[key].observe(value)
-            values.clear()
-        for reason, count in self.pending_finished.items():
-            self.finished[reason].increment(float(count))
-        self.pending_finished.clear()
+                self._publish(lambda: self.histograms[key].observe(value))
+        for reason, count in finished.items():
+            self._publish(lambda: self.finished[reason].increment(float(count)))
         for key, metric in self.gauges.items():
-            metric.set(float(getattr(stats, key)))
+            self._publish(lambda: metric.set(float(getattr(stats, key))))
         for key, metric in self.counters.items():
-            metric.increment(float(getattr(stats, key) - self.counted[key]))
-            self.counted[key] = getattr(stats, key)
-        loaded = set(stats.loaded_loras)
+            value = getattr(stats, key)
+            self._publish(lambda: metric.increment(float(value - self.counted[key])))
+            self.counted[key] = value
+        self._publish(lambda: self._update_lora_loaded(set(stats.loaded_loras)))
+
+    def _update_lora_loaded(self, loaded: set[str]) -> None:
         for name in loaded - set(self.lora_loaded):
             self.lora_loaded[name] = self.lora_family.Metric(labels={**self.labels, "adapter": name})
         for name, metric in self.lora_loaded.items():
             metric.set(1.0 if name in loaded else 0.0)
+
+    def _publish(self, publish) -> None:
+        try:
+            publish()
+        except Exception as error:  # one bad observation (say an unknown label) must not freeze every metric
+            self.internal_errors.report("metrics", error)
 
 
 class RequestTracker:
@@ -101,15 +151,15 @@ class RequestTracker:
 
     def on_finished(self, metrics: EngineMetrics) -> None:
         """It ended with its last output (every choice has its finish reason)."""
-        self._record(metrics, unfinished_reason="abort")
+        self._record(metrics, unfinished_reason=FinishReason.ABORT)
 
     def on_failed(self, metrics: EngineMetrics, error: Exception) -> None:
         """It ended with an error: cancelled (its unfinished choices count as aborted) or failed in the engine. A
         request refused before the core took it (overloaded, a dead engine) never ran: it is not counted."""
         if isinstance(error, Cancelled):
-            self._record(metrics, unfinished_reason="abort")
+            self._record(metrics, unfinished_reason=FinishReason.ABORT)
         elif self.times is not None:
-            self._record(metrics, unfinished_reason="error")
+            self._record(metrics, unfinished_reason=FinishReason.ERROR)
 
     def _record(self, metrics: EngineMetrics, unfinished_reason: str) -> None:
         for index in range(self.num_choices):

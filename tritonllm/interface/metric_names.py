@@ -2,6 +2,8 @@
 The adapter relays them on its /metrics and reads some back (loaded LoRA adapters, the engine's load). The
 per-request ones carry vLLM's names, as they mean what vLLM's do."""
 
+from tritonllm.interface.tensors import FinishReason
+
 # EngineStats field → (metric name, help)
 GAUGES = {
     "running": ("tritonllm:num_requests_running", "Requests with a sequence in the running batch"),
@@ -50,8 +52,13 @@ HISTOGRAMS = {
 }
 
 FINISHED = ("vllm:request_success_total", "Finished choices by finished_reason (a request of n choices counts n)")
-FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's; error: the request failed in the engine
+FINISH_REASONS = tuple(FinishReason)  # every reason exported from the start (at 0)
 
-ALL_NAMES = frozenset([name for name, _ in (*GAUGES.values(), *COUNTERS.values(), LORA_LOADED, FINISHED)] +
+INTERNAL_ERRORS = ("tritonllm:internal_errors_total",
+                   "Failures of the engine's background work (label where: e.g. responder, metrics) that it survived; "
+                   "the log has the first traceback of each and a count of the rest")
+
+ALL_NAMES = frozenset([name for name, _ in (*GAUGES.values(), *COUNTERS.values(), LORA_LOADED, FINISHED,
+                                            INTERNAL_ERRORS)] +
                       [name for name, _, _ in HISTOGRAMS.values()])
 """Every metric family the engine exports (what the adapter relays, and what dashboards may query)."""

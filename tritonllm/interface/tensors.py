@@ -1,6 +1,8 @@
 """The Triton tensor interface of model `llm` by name (tritonllm/model_repository/llm/config.pbtxt declares the same
 tensors; a test checks they agree). Compatible with Triton's vllm_backend; its clients work unchanged."""
 
+from enum import StrEnum
+
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")  # exactly one carries the prompt
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
                 "return_num_output_tokens", "return_num_cached_tokens", "return_matched_stop", "return_token_ids",
@@ -21,6 +23,17 @@ TOKENIZE_OUTPUTS = ("text_output", "prompt_token_ids", "prompt_token_strs", "num
 """The one response of a `tokenize_only` request: the prompt's text and tokens, nothing generated."""
 
 RUNNING = "None"  # finish_reason of a choice still running: vllm_backend sends Python's str(None)
+
+
+class FinishReason(StrEnum):
+    """Every way a choice ends: the `finish_reason` output's values (and OpenAI's), and the labels of the finished
+    requests' counter (vllm:request_success_total), which is made from this declaration."""
+
+    STOP = "stop"  # a stop token, stop string or regex, or a complete grammar
+    LENGTH = "length"  # max_tokens or the context
+    TOOL_CALLS = "tool_calls"  # stopped after calling tools
+    ABORT = "abort"  # cancelled: by the client, a stop string seen by the responder, or the shutdown
+    ERROR = "error"  # the request failed in the engine (never sent: the request gets an error instead)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # roles the `messages` input accepts
 

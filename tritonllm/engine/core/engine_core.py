@@ -24,6 +24,7 @@ from tritonllm.engine.core.scheduler import ScheduledSequence, Scheduler
 from tritonllm.engine.core.sequence import CoreOutput, CoreRequest, SampledToken, Sequence, SequenceUpdate
 from tritonllm.engine.core.structured_output import advance
 from tritonllm.interface.errors import InvalidRequest
+from tritonllm.interface.tensors import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class EngineCore:
             return
         live = [seq for seq in request.sequences if not seq.is_finished and (indices is None or seq.index in indices)]
         for seq in live:
-            seq.finish_reason = "abort"
+            seq.finish_reason = FinishReason.ABORT
             self.scheduler.finish(seq)
         if request.finished:
             self._compiling.pop(request_id, None)
@@ -200,7 +201,7 @@ class EngineCore:
         # max_tokens=0 (e.g. scoring a prompt with echo + logprobs): the prompt is processed, nothing sampled
         for seq in sample_seqs:
             if seq.request.max_tokens == 0:
-                seq.finish_reason = "length"
+                seq.finish_reason = FinishReason.LENGTH
         generating = [i for i, seq in enumerate(sample_seqs) if seq.finish_reason is None]
         if generating:
             for i, sampled in zip(generating, self._sample(logits[generating], [sample_seqs[i] for i in generating],
@@ -261,11 +262,11 @@ class EngineCore:
         if seq.num_output_tokens >= params.min_tokens and (
                 sampled.token_id in params.stop_token_ids
                 or (not params.ignore_eos and sampled.token_id in self.eos_token_ids)):
-            seq.finish_reason, seq.stop_token_id = "stop", sampled.token_id
+            seq.finish_reason, seq.stop_token_id = FinishReason.STOP, sampled.token_id
         elif grammar_complete:  # e.g. a JSON object's closing brace: only EOS could follow
-            seq.finish_reason = "stop"
+            seq.finish_reason = FinishReason.STOP
         elif seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.limits.max_model_len:
-            seq.finish_reason = "length"
+            seq.finish_reason = FinishReason.LENGTH
 
     def fail_request(self, request_id: str, exc: Exception) -> CoreOutput:
         """End a request with an error: its sequences stop and free their blocks."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tritonllm.engine.core.sequence import CoreOutput, SampledToken, SequenceUpdate
 from tritonllm.interface.parameters import SamplingParams
+from tritonllm.interface.tensors import FinishReason
 from tritonllm.interface.tools import ToolSpec
 from tritonllm.engine.processing.detokenizer import IncrementalDetokenizer
 from tritonllm.engine.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
@@ -197,7 +198,7 @@ class OutputProcessor:
             return False
         start, end, matched = min(matches)
         choice.text = text[:end] if params.no_stop_trim else text[:start]
-        choice.finish_reason, choice.matched_stop = "stop", matched
+        choice.finish_reason, choice.matched_stop = FinishReason.STOP, matched
         return True
 
     @staticmethod
@@ -215,8 +216,8 @@ class OutputProcessor:
             reasoning, new_text = choice.reasoning.feed(new_text, finished)
         if choice.tool_calls is not None:  # the text's calls become tool-call deltas, the rest content
             new_text, tool_calls = choice.tool_calls.feed(new_text, finished)
-            if finish_reason == "stop" and choice.tool_calls.calls:
-                finish_reason = "tool_calls"
+            if finish_reason == FinishReason.STOP and choice.tool_calls.calls:
+                finish_reason = FinishReason.TOOL_CALLS
         if not (new_text or reasoning or tool_calls or choice.pending_logprobs or choice.pending_hidden_states
                 or choice.pending_routed_experts or finished):
             return None  # (its new tokens go with the next delta)

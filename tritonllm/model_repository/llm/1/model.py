@@ -26,7 +26,7 @@ from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.core.core_loop import CoreLoop
 from tritonllm.engine.core.sequence import CoreOutput
 from tritonllm.interface.errors import Cancelled, RequestError, error_kind_of
-from tritonllm.interface.tensors import INPUTS
+from tritonllm.interface.tensors import INPUTS, FinishReason
 from tritonllm.engine.llm_engine import EngineParts
 from tritonllm.parent_death import watch_parent
 from tritonllm.engine.processing.outputs import RequestOutput
@@ -40,13 +40,6 @@ _RESPONDER_STOP_TIMEOUT_S = 10.0
 _CANCELLED = "the request was cancelled"
 _SHUT_DOWN = "the server is shutting down: the request was cancelled"
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-def _guarded(work):
-    try:
-        work()
-    except Exception:  # one request's trouble must not stop the responses of the others
-        log.exception("responder work failed")
 
 
 def _response(tensors: dict) -> "pb_utils.InferenceResponse":
@@ -143,12 +136,18 @@ class TritonPythonModel:
                 work = self.mailbox.get(timeout=max(0.0, next_poll - time.monotonic()))
                 if work is None:
                     return
-                _guarded(work)
+                self._guarded(work)
             except queue.Empty:
                 pass
             if time.monotonic() >= next_poll:
-                _guarded(self._poll)
+                self._guarded(self._poll)
                 next_poll = time.monotonic() + _POLL_INTERVAL_S
+
+    def _guarded(self, work):
+        try:
+            work()
+        except Exception as error:  # one request's trouble must not stop the responses of the others
+            self.metrics.internal_errors.report("responder", error)
 
     def _register(self, request_id: str, entry: _InFlight, core_request):
         self.in_flight[request_id] = entry
@@ -161,7 +160,7 @@ class TritonPythonModel:
             if stop:  # stop strings ended these choices: the core still runs them
                 self.core.abort(core_output.request_id, stop)
             if output is not None:
-                _guarded(lambda: self._respond_to(output))
+                self._guarded(lambda: self._respond_to(output))
 
     def _respond_to(self, output: RequestOutput):
         entry = self.in_flight.get(output.request_id)
@@ -171,7 +170,7 @@ class TritonPythonModel:
         if output.error is not None:
             self._finish(output.request_id, output.error)
             return
-        if output.finished and any(c.finish_reason == "abort" for c in output.choices):
+        if output.finished and any(c.finish_reason == FinishReason.ABORT for c in output.choices):
             self._finish(output.request_id, Cancelled(self.abort_message))
             return
         tensors = entry.builder.on_output(output)
