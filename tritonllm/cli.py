@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from tritonllm import launcher, model_files
+from tritonllm.engine_supervisor import EngineSupervisor, RestartBudget, RestartSettings
 from tritonllm.engine.config import EngineConfig, InstanceGroup
 from tritonllm.interface import settings
 from tritonllm.interface.api_key import read_api_key
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_options(serve, InstanceGroup)
     settings.add_options(serve, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
     settings.add_options(serve, ServeSettings)
+    settings.add_options(serve, RestartSettings)
 
     gateway = commands.add_parser("gateway", help="run the SMG gateway in front of stacks (smg launch)")
     settings.add_options(gateway, GatewaySettings)
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_options(scale, ScaleOutSettings)
     settings.add_options(scale, GatewaySettings, exclude=("worker_urls",))
     settings.add_options(scale, ServeSettings, exclude=_STACK_PLACE_SETTINGS)
+    settings.add_options(scale, RestartSettings)
     settings.add_options(scale, EngineConfig)
     settings.add_options(scale, InstanceGroup)
     settings.add_options(scale, AdapterSettings, exclude=_DERIVED_ADAPTER_SETTINGS)
@@ -169,7 +172,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
     server_died = threading.Event()
-    server = None
+    gave_up: list[str] = []  # why serve stopped restarting its engines
+    server = supervisor = None
     try:
         state_dir = _state_dir(args.state_dir)
         repository = state_dir / "model_repository"
@@ -188,16 +192,35 @@ def serve(args: argparse.Namespace) -> int:
             os.kill(os.getpid(), signal.SIGTERM)  # stops the adapter the way a user would
 
         server.on_unexpected_exit(on_server_death)
-        _run_adapter(args, adapter_settings)
+        from tritonllm.adapter.engine_health import EngineHealth  # the adapter's imports are slow: not before here
+
+        engine_health = EngineHealth()
+
+        def give_up(why: str) -> None:
+            gave_up.append(why)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        supervisor = EngineSupervisor(server, RestartBudget(settings.from_options(RestartSettings, args)),
+                                      on_death=engine_health.mark_dead, on_recovered=engine_health.mark_all_alive,
+                                      on_give_up=give_up)
+        supervisor.start()
+        _run_adapter(args, adapter_settings, engine_health)
     except _Stop as stop:
-        if not server_died.is_set():
+        if not server_died.is_set() and not gave_up:
             log.info("stopping (%s)", stop)
     except launcher.TritonStartError as error:
         log.error("%s", error)
         return 1
     finally:
+        if supervisor is not None:
+            supervisor.stop()
         if server is not None:
             server.stop()
+    if gave_up:
+        log.error("stopped: %s (--engine-max-restarts %d in --engine-restart-window %g s); exiting for the "
+                  "supervisor to restart the server", gave_up[0], args.engine_max_restarts,
+                  args.engine_restart_window_s)
+        return 1
     if server_died.is_set():
         log.error("tritonserver exited with code %s; its last log lines:\n%s",
                   server.process.returncode, server.log_tail())
@@ -232,7 +255,8 @@ def scale_out(args: argparse.Namespace) -> int:
     # Every stack gets the same engine and adapter options, through its environment; a hub id stays one, so each
     # stack serves it under its id, found in the cache just filled.
     stack_env = {**settings.to_env(EngineConfig, args), **settings.to_env(InstanceGroup, args),
-                 **settings.to_env(AdapterSettings, args), "HF_HUB_OFFLINE": "1"}
+                 **settings.to_env(AdapterSettings, args), **settings.to_env(RestartSettings, args),
+                 "HF_HUB_OFFLINE": "1"}
     fleet = None
     try:
         fleet = Fleet(settings.from_options(ScaleOutSettings, args), settings.from_options(GatewaySettings, args),
@@ -257,11 +281,11 @@ def _adapter_settings(args: argparse.Namespace, server: launcher.TritonServer, m
         triton_metrics_url=server.metrics_url)
 
 
-def _run_adapter(args: argparse.Namespace, adapter_settings: AdapterSettings) -> None:
+def _run_adapter(args: argparse.Namespace, adapter_settings: AdapterSettings, engine_health) -> None:
     from tritonllm.adapter.app import run
 
     log.info("OpenAI API on http://%s:%d/v1 (model %r)", args.host, args.port, adapter_settings.served_model_name)
-    run(adapter_settings, args.host, args.port, args.log_level)
+    run(adapter_settings, args.host, args.port, args.log_level, engine_health)
 
 
 def main(argv: list[str] | None = None) -> int:

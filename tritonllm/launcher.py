@@ -165,6 +165,32 @@ def restriction_options(api_key: str | None) -> list[str]:
 
 # --- the server process -------------------------------------------------------------------------------------
 
+_STUB = "triton_python_backend_stub"
+_INSTANCE_NAME = re.compile(rf"^{MODEL_NAME}_\d+_\d+$")  # Triton's instance names: <model>_<group>_<index>
+
+
+def _child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:  # /proc/<pid>/stat: "pid (comm) state ppid ...", comm may hold spaces and parentheses
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # a process that just ended
+            continue
+    return children
+
+
+def _stub_instance(pid: int) -> str | None:
+    """The engine instance a Python-backend stub runs (its command line names it), or None for another process."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if Path(argv[0]).name != _STUB:
+        return None
+    return next((arg for arg in argv[1:] if _INSTANCE_NAME.match(arg)), None)
+
+
 def answers_ok(url: str) -> bool:
     """GET url answers 200 within 2 s."""
     try:
@@ -244,6 +270,9 @@ class TritonServer:
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
+            # Explicit model control: the model loads at start as before, and `serve` may reload it through the
+            # model-repository API when an engine process dies (tritonllm/engine_supervisor.py).
+            "--model-control-mode=explicit", f"--load-model={MODEL_NAME}",
             # Python-backend stubs talk to the server through /dev/shm regions named from this prefix: distinct for
             # each tritonserver on the host (as its gRPC port is), so several never share a region, and a region
             # left by a killed server names its owner.
@@ -321,6 +350,28 @@ class TritonServer:
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
+
+    def engine_processes(self) -> dict[str, int]:
+        """The model's Python-backend stubs now running: engine instance name (e.g. llm_0_1) → pid."""
+        if not self.is_running():
+            return {}
+        return {instance: pid for pid in _child_pids(self.process.pid)
+                if (instance := _stub_instance(pid)) is not None}
+
+    def model_control(self, action: str, headers: dict[str, str] | None = None, timeout_s: float = 600) -> None:
+        """POST the model-repository API's `action` (load: load again, i.e. reload, a loaded model; unload) for the
+        `llm` model, with `headers` (what a restricted API asks for); RuntimeError with Triton's answer if it fails.
+        Triton answers once the new instances are ready (or failed)."""
+        request = urllib.request.Request(f"{self.http_url}/v2/repository/models/{MODEL_NAME}/{action}", data=b"{}",
+                                         method="POST", headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s):
+                return
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(f"Triton refused to {action} model {MODEL_NAME}: HTTP {error.code} "
+                               f"{error.read().decode(errors='replace')[:500]}") from None
+        except (urllib.error.URLError, OSError) as error:
+            raise RuntimeError(f"Triton did not {action} model {MODEL_NAME}: {error}") from None
 
     def __enter__(self) -> "TritonServer":
         self.start()

@@ -1,5 +1,6 @@
 """The HTTP service: FastAPI routes over the completion and chat services, and the uvicorn entry point."""
 
+import asyncio
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from tritonllm.adapter.chat import ChatService
 from tritonllm.adapter.completions import CompletionService
 from tritonllm.adapter.concurrency import cancel_on_disconnect
 from tritonllm.adapter.deadlines import request_deadline, stream_within, within
+from tritonllm.adapter.engine_health import EngineHealth
 from tritonllm.adapter.engine_metrics import dead_instances, read_engine_metrics, relayed, sglang_loads
 from tritonllm.adapter.errors import install_exception_handlers, model_not_found, service_unavailable
 from tritonllm.adapter.head import HeadAsGet
@@ -57,7 +59,8 @@ from tritonllm.adapter.tokenization import TokenizationService
 from tritonllm.adapter.triton_client import TritonClient
 
 
-def create_app(settings: AdapterSettings) -> FastAPI:
+def create_app(settings: AdapterSettings, engine_health: EngineHealth | None = None) -> FastAPI:
+    """`engine_health`: shared with `tritonllm serve`'s engine supervisor, which sees engine processes die."""
     started = int(time.time())
     runtime_adapters = RuntimeAdapters(settings.lora_dir, settings.served_model_name,
                                        runtime_lora_allowed(settings.allow_runtime_lora))
@@ -65,8 +68,9 @@ def create_app(settings: AdapterSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The gRPC channel belongs to the serving event loop, so it is made here rather than at import.
-        triton = TritonClient(settings)
+        triton = TritonClient(settings, engine_health)
         app.state.triton = triton
+        watch = asyncio.create_task(triton.watch_engines())
         app.state.completions = CompletionService(triton, settings.served_model_name, settings.lora_dir is not None,
                                                   runtime_adapters)
         app.state.chat = ChatService(app.state.completions)
@@ -74,6 +78,7 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         try:
             yield
         finally:
+            watch.cancel()
             await triton.close()
 
     app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
@@ -237,27 +242,34 @@ def create_app(settings: AdapterSettings) -> FastAPI:
         triton: TritonClient = request.app.state.triton
         if not await triton.is_ready():
             raise service_unavailable(f"Triton model '{settings.triton_model}' at {settings.triton_url} is not ready.")
-        # Triton's readiness cannot see an engine that is dead inside a live stub; its metrics can
-        dead = dead_instances(await engine_metrics() or [])
-        if dead:
-            raise service_unavailable(f"engine instance(s) {', '.join(dead)} of Triton model "
+        # Triton's readiness sees neither an engine dead inside a live stub (its metrics do) nor a dead stub (the
+        # Triton client does: engine_health.py)
+        failed = dead_instances(await engine_metrics() or [])
+        if failed:
+            raise service_unavailable(f"engine instance(s) {', '.join(failed)} of Triton model "
                                       f"'{settings.triton_model}' are dead after repeated failed steps; restart "
                                       "the server (its log says why).")
+        ended = triton.health.dead()
+        if ended:
+            raise service_unavailable(f"engine instance(s) {', '.join(sorted(ended))} of Triton model "
+                                      f"'{settings.triton_model}' died ({'; '.join(ended.values())}); being "
+                                      "restarted (the server's log says how it ended).")
         return {"status": "ok"}
 
     # Outside /v1: a Prometheus scraper needs no API key unless asked (as vLLM's); /health never does (probes).
     @app.get("/metrics", include_in_schema=False, dependencies=auth if settings.metrics_require_key else [])
-    async def prometheus_metrics() -> Response:
-        return metrics.response(relayed(await engine_metrics() or []))
+    async def prometheus_metrics(request: Request) -> Response:
+        return metrics.response(relayed(await engine_metrics() or [], request.app.state.triton.health.dead()))
 
     return app
 
 
-def run(settings: AdapterSettings, host: str, port: int, log_level: str) -> None:
+def run(settings: AdapterSettings, host: str, port: int, log_level: str,
+        engine_health: EngineHealth | None = None) -> None:
     """Serve the adapter until interrupted; the first SIGINT/SIGTERM drains it first (tritonllm/adapter/shutdown.py)."""
     # uvicorn configures only its own loggers; this gives the adapter's warnings a format and a handler.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    app = create_app(settings)
+    app = create_app(settings, engine_health)
 
     async def drain() -> None:
         await app.state.drain.run(cancel_rest=lambda: app.state.triton.cancel_all(shutting_down()))

@@ -7,6 +7,7 @@ import asyncio
 import time
 import urllib.request
 from collections import defaultdict
+from collections.abc import Collection
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,11 +32,17 @@ async def read_engine_metrics(metrics_url: str) -> list[Metric]:
     return list(text_string_to_metric_families(await asyncio.to_thread(scrape)))
 
 
-def relayed(families: list[Metric]) -> list[Metric]:
+def relayed(families: list[Metric], dead: Collection[str] = ()) -> list[Metric]:
     """The engine's own families (not tritonserver's nv_* ones). The parser names a counter family without its
-    `_total`."""
-    return [family for family in families
+    `_total`. The `dead` instances' process is gone, so Triton still shows what they last published: their
+    engine_dead gauge says 1 instead."""
+    kept = [family for family in families
             if family.name in ALL_NAMES or (family.type == "counter" and f"{family.name}_total" in ALL_NAMES)]
+    for family in kept:
+        if family.name == ENGINE_DEAD:
+            family.samples = [sample._replace(value=1.0) if sample.labels.get("instance") in dead else sample
+                              for sample in family.samples]
+    return kept
 
 
 def dead_instances(families: list[Metric]) -> list[str]:

@@ -8,11 +8,17 @@ the reserved `triton_enable_empty_final_response` request parameter.)
 
 A call that goes `idle_timeout_s` without a response fails with 504: a generation may take as long as it keeps
 producing (a deadline on the whole request is the HTTP layer's: tritonllm/adapter/deadlines.py).
+
+An engine instance whose process died answers at once that it is not healthy, and never again answers the requests it
+held: a request it refuses before any response goes again (another instance may serve it), else gets 503; and while
+an instance is dead, the calls that wait in silence are failed with 503 (`watch_engines`, engine_health.py).
 """
 
 import asyncio
 import json
 import re
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -26,6 +32,7 @@ from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 from tritonllm.interface.api_key import triton_headers
 from tritonllm.interface.errors import decode
 from tritonllm.interface.tensors import RUNNING
+from tritonllm.adapter.engine_health import EngineHealth, dead_stub, engine_died
 from tritonllm.adapter.errors import AdapterError, from_kind, gateway_timeout, internal_error, service_unavailable
 from tritonllm.adapter.settings import AdapterSettings
 
@@ -46,6 +53,20 @@ _ALWAYS_RETURNED = (
     "return_num_cached_tokens",
     "return_matched_stop",
 )
+
+_ENGINE_PROBE_INTERVAL_S = 1.0
+_SILENT_S = 2.0
+"""While an engine instance is dead, a call that has waited this long for its next response is failed: the dead
+instance will never answer it (which instance runs a call is Triton's secret, so a live one's call silent as long, in
+the queue or a long prefill, fails too, with the same retryable 503)."""
+_DEAD_ENGINE_RETRIES = 2  # a request a dead instance refused goes again this many times (Triton picks the instance)
+
+
+class _EngineDied(Exception):
+    def __init__(self, instance: str) -> None:
+        super().__init__(instance)
+        self.instance = instance
+
 
 # Triton's own answer while the model is missing or still loading.
 _MODEL_NOT_AVAILABLE = re.compile(r"unknown model", re.IGNORECASE)
@@ -125,21 +146,48 @@ class TokenizedPrompt:
 class TritonClient:
     """Owns the gRPC channel to tritonserver."""
 
-    def __init__(self, settings: AdapterSettings) -> None:
+    def __init__(self, settings: AdapterSettings, health: EngineHealth | None = None) -> None:
         self._settings = settings
+        self.health = health or EngineHealth()
         self._client = InferenceServerClient(settings.triton_url, channel_args=_CHANNEL_ARGS)
         # With an API key, Triton requires its header on every call but health (tritonllm/interface/api_key.py).
         self._headers = triton_headers(settings.api_key)
         self._refusal: AdapterError | None = None  # set by cancel_all: what every call gets from then on
-        self._waiting: set[asyncio.Task] = set()  # the tasks waiting for a response now
-        self._refused: set[asyncio.Task] = set()  # those of them cancel_all cancelled
+        self._waiting: dict[asyncio.Task, float] = {}  # the tasks waiting for a response now → since (monotonic)
+        self._refused: dict[asyncio.Task, AdapterError] = {}  # those of them failed by us → with what
 
     def cancel_all(self, error: AdapterError) -> None:
         """Fail every call in flight, and every later one, with `error` (their Triton requests are cancelled)."""
         self._refusal = error
-        for task in self._waiting - self._refused:
-            self._refused.add(task)
-            task.cancel()
+        self._refuse(list(self._waiting), error)
+
+    def _refuse(self, tasks: list[asyncio.Task], error: AdapterError) -> None:
+        for task in tasks:
+            if task not in self._refused:
+                self._refused[task] = error
+                task.cancel()
+
+    async def watch_engines(self) -> None:
+        """For the adapter's life: while calls wait or an engine instance is dead, probe the model every second (a
+        dead instance answers at once that it is not healthy), and while one is dead fail the calls that have waited
+        _SILENT_S for a response."""
+        while True:
+            await asyncio.sleep(_ENGINE_PROBE_INTERVAL_S)
+            if not self._waiting and not self.health.dead():
+                continue
+            await self._probe()
+            dead = self.health.dead()
+            if dead:
+                now = time.monotonic()
+                self._refuse([task for task, since in self._waiting.items() if now - since >= _SILENT_S],
+                             engine_died(", ".join(sorted(dead))))
+
+    async def _probe(self) -> None:
+        try:
+            await asyncio.wait_for(self.tokenize(".", {}, request_id=f"probe-{uuid.uuid4().hex}"),
+                                   self._settings.health_timeout_s)
+        except (AdapterError, TimeoutError):  # a dead instance is marked on the way (_stream)
+            pass
 
     async def close(self) -> None:
         await self._client.close()
@@ -154,9 +202,12 @@ class TritonClient:
             )
 
         try:
-            return await asyncio.wait_for(check(), timeout)
+            ready = await asyncio.wait_for(check(), timeout)
         except Exception:
-            return False
+            ready = False
+        if not ready:  # tritonserver is gone or reloading: the instances that come back are new
+            self.health.mark_all_alive()
+        return ready
 
     async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[TritonChunk]:
         """Run one generation request, yielding each of the model's responses.
@@ -185,7 +236,23 @@ class TritonClient:
         raise internal_error("Triton answered a tokenize_only request with no response.")
 
     async def _stream(self, inputs: list[InferInput], request_id: str) -> AsyncIterator[InferResult]:
-        """The responses of one request to the model, each as it arrives."""
+        """The responses of one request to the model, each as it arrives; sent again when a dead engine instance
+        refused it before any response."""
+        for attempt in range(_DEAD_ENGINE_RETRIES + 1):
+            answered = False
+            try:
+                async with aclosing(self._call(inputs, request_id)) as results:
+                    async for result in results:
+                        answered = True
+                        yield result
+                return
+            except _EngineDied as died:
+                self.health.mark_dead(died.instance, "Triton says its process is not healthy")
+                if answered or attempt == _DEAD_ENGINE_RETRIES:
+                    raise engine_died(died.instance) from None
+
+    async def _call(self, inputs: list[InferInput], request_id: str) -> AsyncIterator[InferResult]:
+        """The responses of one request to the model (one gRPC stream), each as it arrives."""
         if self._refusal is not None:
             raise self._refusal
         request = {"model_name": self._settings.triton_model, "inputs": inputs, "request_id": request_id}
@@ -198,6 +265,8 @@ class TritonClient:
             while (response := await self._next_response(responses)) is not None:
                 result, error = response
                 if error is not None:
+                    if (instance := dead_stub(error.message())) is not None:
+                        raise _EngineDied(instance)
                     raise _error_from_message(error.message())
                 yield result
         except grpc.aio.AioRpcError as error:
@@ -215,7 +284,7 @@ class TritonClient:
         if self._refusal is not None:
             raise self._refusal
         waiting = asyncio.current_task()
-        self._waiting.add(waiting)
+        self._waiting[waiting] = time.monotonic()
         try:
             async with asyncio.timeout(self._settings.idle_timeout_s):
                 return await anext(responses)
@@ -227,10 +296,10 @@ class TritonClient:
         except asyncio.CancelledError:
             if waiting not in self._refused or waiting.uncancel() > 0:  # (also) cancelled by someone else
                 raise
-            raise self._refusal from None
+            raise self._refused[waiting] from None
         finally:
-            self._waiting.discard(waiting)
-            self._refused.discard(waiting)
+            self._waiting.pop(waiting, None)
+            self._refused.pop(waiting, None)
 
     def _error_from_rpc(self, error: grpc.aio.AioRpcError) -> AdapterError:
         code = error.code()

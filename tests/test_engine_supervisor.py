@@ -1,0 +1,81 @@
+"""`serve`'s engine supervisor without tritonserver: the restart budget, how a process ended, and the supervisor's
+answers to an engine process that disappears (tell the adapter, reload, give up past the budget). The real thing,
+through the stack: tests/test_stack_engine_death.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from tritonllm.engine_supervisor import EngineSupervisor, RestartBudget, RestartSettings, exit_status
+
+
+def test_the_budget_allows_max_restarts_in_any_window():
+    now = [0.0]
+    budget = RestartBudget(RestartSettings(engine_max_restarts=2, engine_restart_window_s=60), clock=lambda: now[0])
+    assert budget.take()
+    now[0] = 30.0
+    assert budget.take()
+    now[0] = 59.0
+    assert not budget.take()
+    now[0] = 61.0  # the first restart left the window, not the second
+    assert budget.take()
+    assert not budget.take()
+
+
+def test_exit_status_reads_a_zombie_and_knows_when_it_cannot():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(child.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while "unknown" in (status := exit_status(child.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # until it is a zombie
+    assert status == "killed by SIGKILL"
+    child.wait()
+    assert "unknown" in exit_status(child.pid)
+
+
+class _FakeServer:
+    def __init__(self):
+        self.processes = {"llm_0_0": 100, "llm_0_1": 101}
+        self.loads = 0
+
+    def engine_processes(self):
+        return dict(self.processes)
+
+    def is_running(self):
+        return True
+
+    def model_control(self, action, headers=None):
+        assert action == "load"
+        self.loads += 1
+        self.processes = {"llm_0_0": 200 + self.loads, "llm_0_1": 300 + self.loads}
+
+
+def _wait(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
+    server = _FakeServer()
+    deaths, recoveries, gave_up = [], [], threading.Event()
+    supervisor = EngineSupervisor(server, RestartBudget(RestartSettings(engine_max_restarts=1)),
+                                  on_death=lambda instance, how: deaths.append(instance),
+                                  on_recovered=lambda: recoveries.append(True), on_give_up=lambda why: gave_up.set())
+    supervisor.start()
+    try:
+        time.sleep(0.3)
+        server.processes.pop("llm_0_1")  # its stub ended; the other instance still runs
+        _wait(lambda: recoveries)
+        assert deaths == ["llm_0_1"] and server.loads == 1 and not gave_up.is_set()
+        server.processes["llm_0_0"] = 999  # ended, and another process took its place: a death too
+        _wait(gave_up.is_set)
+        assert deaths == ["llm_0_1", "llm_0_0"] and server.loads == 1  # past the budget: no reload
+    finally:
+        supervisor.stop()

@@ -1,0 +1,124 @@
+"""`serve`'s watch over the engine processes (the model's Python-backend stubs, children of its tritonserver).
+
+tritonserver 2.51 neither notices a stub that died (SIGKILLed by the OOM killer, a crash) nor restarts it: the model
+stays "ready" and every request gets "Stub process 'llm_0_0' is not healthy". `serve` owns tritonserver and sees its
+children, so it watches them: when one ends, it tells the adapter (which fails what that engine held and answers 503
+meanwhile) and reloads the model through the model-repository API, within a budget of restarts per window; past it,
+`serve` gives up and exits non-zero for its supervisor (Compose, Kubernetes) to take over. Where tritonserver runs
+apart from the adapter, the adapter's own detection (tritonllm/adapter/engine_health.py) still answers 503 and turns
+/health red, for the orchestrator to restart the container."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonllm.interface.settings import setting
+from tritonllm.launcher import MODEL_NAME, TritonServer
+
+log = logging.getLogger(__name__)
+
+_POLL_INTERVAL_S = 0.2
+
+
+@dataclass(frozen=True)
+class RestartSettings:
+    engine_max_restarts: int = setting(3, "engine processes that may die and be reloaded within "
+                                          "--engine-restart-window; one more and serve exits non-zero")
+    engine_restart_window_s: float = setting(600.0, "seconds over which engine restarts are counted",
+                                             option="engine-restart-window")
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts in any `window_s` seconds."""
+
+    def __init__(self, settings: RestartSettings, clock: Callable[[], float] = time.monotonic):
+        self.max_restarts = settings.engine_max_restarts
+        self.window_s = settings.engine_restart_window_s
+        self._clock = clock
+        self._restarts: deque[float] = deque()
+
+    def take(self) -> bool:
+        """Count a restart; False when it would exceed the budget."""
+        now = self._clock()
+        while self._restarts and now - self._restarts[0] > self.window_s:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.max_restarts:
+            return False
+        self._restarts.append(now)
+        return True
+
+
+def exit_status(pid: int) -> str:
+    """How a process ended, while it is a zombie not yet reaped by its parent (Linux keeps its wait status in
+    /proc/<pid>/stat); once reaped, unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return "exit status unknown: already reaped by tritonserver (the kernel log may say more)"
+    if fields[0] != "Z" or len(fields) < 50:
+        return "exit status unknown"
+    status = int(fields[49])  # the 52nd field, exit_code: the wait status
+    if status & 0x7F:
+        return f"killed by {signal.Signals(status & 0x7F).name}"
+    return f"exited with code {status >> 8}"
+
+
+class EngineSupervisor:
+    """A thread that notices an engine process ending (within _POLL_INTERVAL_S) and reloads the model."""
+
+    def __init__(self, server: TritonServer, budget: RestartBudget, *, on_death: Callable[[str, str], None],
+                 on_recovered: Callable[[], None], on_give_up: Callable[[str], None],
+                 model_control_headers: dict[str, str] | None = None):
+        self.server = server
+        self.budget = budget
+        self.on_death = on_death  # (instance, what happened)
+        self.on_recovered = on_recovered
+        self.on_give_up = on_give_up  # (why): serve stops, exit code 1
+        self.model_control_headers = model_control_headers
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _ended(self, known: dict[str, int]) -> dict[str, str]:
+        """The known engines whose process has ended: instance → how."""
+        running = self.server.engine_processes()
+        return {instance: exit_status(pid) for instance, pid in known.items() if running.get(instance) != pid}
+
+    def _run(self) -> None:
+        known = self.server.engine_processes()
+        while not self._stop.wait(_POLL_INTERVAL_S):
+            ended = self._ended(known)
+            if not ended or self._stop.is_set() or not self.server.is_running():
+                continue  # (tritonserver's own death is serve's on_unexpected_exit)
+            for instance, how in ended.items():
+                log.error("engine instance %s (pid %d) died: %s; its requests fail with 503", instance,
+                          known[instance], how)
+                self.on_death(instance, how)
+            if not self.budget.take():
+                self.on_give_up(f"engine processes died more than {self.budget.max_restarts} times in "
+                                f"{self.budget.window_s:.0f} s")
+                return
+            started = time.monotonic()
+            log.warning("reloading model %s (engine instance(s) %s died)", MODEL_NAME, ", ".join(sorted(ended)))
+            try:
+                self.server.model_control("load", self.model_control_headers)
+            except RuntimeError as error:
+                if not self._stop.is_set():
+                    self.on_give_up(f"reloading the model failed: {error}")
+                return
+            known = self.server.engine_processes()
+            log.warning("model reloaded in %.1f s: engine instance(s) %s serve again", time.monotonic() - started,
+                        ", ".join(sorted(known)))
+            self.on_recovered()
