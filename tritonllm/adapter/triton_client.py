@@ -175,14 +175,15 @@ class TritonClient:
             await asyncio.sleep(_ENGINE_PROBE_INTERVAL_S)
             if not self._waiting and not self.health.dead():
                 continue
-            await self._probe()
+            await self.probe()
             dead = self.health.dead()
             if dead:
                 now = time.monotonic()
                 self._refuse([task for task, since in self._waiting.items() if now - since >= _SILENT_S],
                              engine_died(", ".join(sorted(dead))))
 
-    async def _probe(self) -> None:
+    async def probe(self) -> None:
+        """Ask the model for something cheap (a tokenize_only request); a dead instance that answers is marked."""
         try:
             await asyncio.wait_for(self.tokenize(".", {}, request_id=f"probe-{uuid.uuid4().hex}"),
                                    self._settings.health_timeout_s)
