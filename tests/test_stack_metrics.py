@@ -9,6 +9,7 @@ import re
 import time
 
 import httpx
+import openai
 
 from tritonllm.interface.metric_names import COUNTERS, FINISHED, FINISH_REASONS, GAUGES, HISTOGRAMS
 from stack_helpers import metric, wait_until_idle
@@ -84,18 +85,19 @@ def _gauges_and_counters(stack) -> dict[str, float]:
     return {name: metric(stack, name) for name, _ in (*GAUGES.values(), *COUNTERS.values())}
 
 
-def test_tool_calls_leave_every_gauge_counter_and_the_loads_moving(stack, client):
+def test_tool_calls_leave_every_gauge_counter_and_the_loads_moving(stack):
     """A finish reason the metrics once did not know (tool_calls) froze every engine metric and /v1/loads: after
     tool calls, streamed and not, each is counted under its reason, and a later request still moves the gauges (up
     while it runs, back once it is done), the counters and /v1/loads."""
     root_url = stack.base_url.removesuffix("/v1")
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=600)  # a busy CPU
     wait_until_idle(stack)
     before_tools = _adapter_metrics(stack)
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     answer = client.chat.completions.create(model=stack.model_name, messages=ask, tools=[WEATHER],
-                                            tool_choice="required", max_tokens=120, temperature=0)
+                                            tool_choice="required", max_tokens=80, temperature=0)
     chunks = list(client.chat.completions.create(model=stack.model_name, messages=ask, tools=[WEATHER],
-                                                 tool_choice="required", max_tokens=120, temperature=0, stream=True))
+                                                 tool_choice="required", max_tokens=80, temperature=0, stream=True))
     finishes = [answer.choices[0].finish_reason] + [c.choices[0].finish_reason for c in chunks
                                                     if c.choices and c.choices[0].finish_reason]
     assert finishes == ["tool_calls", "tool_calls"]
