@@ -39,12 +39,22 @@ def test_exit_status_reads_a_zombie_and_knows_when_it_cannot():
 
 
 class _FakeServer:
+    """Engine processes played by `sleep`s (real processes: the supervisor stops the replaced ones)."""
+
     def __init__(self):
-        self.processes = {"llm_0_0": 100, "llm_0_1": 101}
+        self.children: list[subprocess.Popen] = []
+        self.processes = {self._spawn(): "llm_0_0", self._spawn(): "llm_0_1"}
         self.loads = 0
 
+    def _spawn(self) -> int:
+        self.children.append(subprocess.Popen(["sleep", "60"]))
+        return self.children[-1].pid
+
     def engine_processes(self):
-        return dict(self.processes)
+        for child in self.children:
+            child.poll()  # reaped once ended, as tritonserver would not
+        return {pid: instance for pid, instance in self.processes.items()
+                if any(child.pid == pid and child.returncode is None for child in self.children)}
 
     def is_running(self):
         return True
@@ -52,10 +62,20 @@ class _FakeServer:
     def model_control(self, action, headers=None):
         assert action == "load"
         self.loads += 1
-        self.processes = {"llm_0_0": 200 + self.loads, "llm_0_1": 300 + self.loads}
+        self.processes.update({self._spawn(): "llm_0_0", self._spawn(): "llm_0_1"})
+
+    def kill(self, instance):
+        [pid] = [pid for pid, name in self.engine_processes().items() if name == instance]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def close(self):
+        for child in self.children:
+            child.kill()
+            child.wait()
 
 
-def _wait(condition, timeout=10.0):
+def _wait(condition, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline
@@ -66,16 +86,21 @@ def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
     server = _FakeServer()
     deaths, recoveries, gave_up = [], [], threading.Event()
     supervisor = EngineSupervisor(server, RestartBudget(RestartSettings(engine_max_restarts=1)),
-                                  on_death=lambda instance, how: deaths.append(instance),
+                                  on_death=lambda instance, how: deaths.append((instance, how)),
                                   on_recovered=lambda: recoveries.append(True), on_give_up=lambda why: gave_up.set())
     supervisor.start()
     try:
         time.sleep(0.3)
-        server.processes.pop("llm_0_1")  # its stub ended; the other instance still runs
+        survivor = next(pid for pid, name in server.engine_processes().items() if name == "llm_0_0")
+        server.kill("llm_0_1")
         _wait(lambda: recoveries)
-        assert deaths == ["llm_0_1"] and server.loads == 1 and not gave_up.is_set()
-        server.processes["llm_0_0"] = 999  # ended, and another process took its place: a death too
+        assert [instance for instance, _ in deaths] == ["llm_0_1"] and server.loads == 1 and not gave_up.is_set()
+        # the old generation's survivor was stopped (Triton no longer uses it); the new generation runs
+        assert survivor not in server.engine_processes()
+        assert sorted(server.engine_processes().values()) == ["llm_0_0", "llm_0_1"]
+        server.kill("llm_0_0")
         _wait(gave_up.is_set)
-        assert deaths == ["llm_0_1", "llm_0_0"] and server.loads == 1  # past the budget: no reload
+        assert [instance for instance, _ in deaths] == ["llm_0_1", "llm_0_0"] and server.loads == 1  # no reload
     finally:
         supervisor.stop()
+        server.close()

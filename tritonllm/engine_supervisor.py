@@ -11,6 +11,7 @@ apart from the adapter, the adapter's own detection (tritonllm/adapter/engine_he
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ from tritonllm.launcher import MODEL_NAME, TritonServer
 log = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.2
+_SURVIVORS_SILENT_S = 4.0  # the adapter fails calls silent for 2 s while an engine is dead (TritonClient._SILENT_S)
 
 
 @dataclass(frozen=True)
@@ -91,34 +93,46 @@ class EngineSupervisor:
     def stop(self) -> None:
         self._stop.set()
 
-    def _ended(self, known: dict[str, int]) -> dict[str, str]:
-        """The known engines whose process has ended: instance → how."""
-        running = self.server.engine_processes()
-        return {instance: exit_status(pid) for instance, pid in known.items() if running.get(instance) != pid}
-
     def _run(self) -> None:
-        known = self.server.engine_processes()
+        known = self.server.engine_processes()  # pid → instance
         while not self._stop.wait(_POLL_INTERVAL_S):
-            ended = self._ended(known)
+            running = self.server.engine_processes()
+            ended = {pid: instance for pid, instance in known.items() if pid not in running}
             if not ended or self._stop.is_set() or not self.server.is_running():
                 continue  # (tritonserver's own death is serve's on_unexpected_exit)
-            for instance, how in ended.items():
-                log.error("engine instance %s (pid %d) died: %s; its requests fail with 503", instance,
-                          known[instance], how)
+            for pid, instance in ended.items():
+                how = exit_status(pid)
+                log.error("engine instance %s (pid %d) died: %s; its requests fail with 503", instance, pid, how)
                 self.on_death(instance, how)
             if not self.budget.take():
                 self.on_give_up(f"engine processes died more than {self.budget.max_restarts} times in "
                                 f"{self.budget.window_s:.0f} s")
                 return
-            started = time.monotonic()
-            log.warning("reloading model %s (engine instance(s) %s died)", MODEL_NAME, ", ".join(sorted(ended)))
-            try:
-                self.server.model_control("load", self.model_control_headers)
-            except RuntimeError as error:
-                if not self._stop.is_set():
-                    self.on_give_up(f"reloading the model failed: {error}")
+            if not self._reload(known, ended):
                 return
-            known = self.server.engine_processes()
-            log.warning("model reloaded in %.1f s: engine instance(s) %s serve again", time.monotonic() - started,
-                        ", ".join(sorted(known)))
+            known = {pid: instance for pid, instance in self.server.engine_processes().items() if pid not in known}
             self.on_recovered()
+
+    def _reload(self, known: dict[int, str], ended: dict[int, str]) -> bool:
+        """Reload the model; False (after giving up) when that fails."""
+        started = time.monotonic()
+        log.warning("reloading model %s (engine instance(s) %s died)", MODEL_NAME, ", ".join(sorted(ended.values())))
+        try:
+            self.server.model_control("load", self.model_control_headers)
+        except RuntimeError as error:
+            if not self._stop.is_set():
+                self.on_give_up(f"reloading the model failed: {error}")
+            return False
+        log.warning("model reloaded in %.1f s", time.monotonic() - started)
+        # Triton now sends every request to the new instances, but never finishes unloading the old version (the
+        # dead process held some of its requests), so the old instances that survived would keep their memory.
+        survivors = {pid: instance for pid, instance in known.items() if pid not in ended}
+        for pid, instance in survivors.items():
+            log.warning("stopping the replaced engine instance %s (pid %d)", instance, pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        if survivors:  # the adapter fails their calls, silent from now on, before it calls the engines healthy
+            self._stop.wait(_SURVIVORS_SILENT_S)
+        return True

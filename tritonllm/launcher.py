@@ -351,11 +351,12 @@ class TritonServer:
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
 
-    def engine_processes(self) -> dict[str, int]:
-        """The model's Python-backend stubs now running: engine instance name (e.g. llm_0_1) → pid."""
+    def engine_processes(self) -> dict[int, str]:
+        """The model's Python-backend stubs now running: pid → engine instance name (e.g. llm_0_1; after a reload,
+        two processes may have the same name)."""
         if not self.is_running():
             return {}
-        return {instance: pid for pid in _child_pids(self.process.pid)
+        return {pid: instance for pid in _child_pids(self.process.pid)
                 if (instance := _stub_instance(pid)) is not None}
 
     def model_control(self, action: str, headers: dict[str, str] | None = None, timeout_s: float = 600) -> None:
