@@ -16,6 +16,7 @@ an instance is dead, the calls that wait in silence are failed with 503 (`watch_
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -53,6 +54,8 @@ _ALWAYS_RETURNED = (
     "return_num_cached_tokens",
     "return_matched_stop",
 )
+
+logger = logging.getLogger(__name__)
 
 _ENGINE_PROBE_INTERVAL_S = 1.0
 _SILENT_S = 2.0
@@ -189,6 +192,8 @@ class TritonClient:
                                    self._settings.health_timeout_s)
         except (AdapterError, TimeoutError):  # a dead instance is marked on the way (_stream)
             pass
+        except Exception:  # the watch must go on
+            logger.exception("probing the model failed")
 
     async def close(self) -> None:
         await self._client.close()
