@@ -59,7 +59,7 @@ class _FakeServer:
     def is_running(self):
         return True
 
-    def model_control(self, action, headers=None):
+    def model_control(self, action):
         assert action == "load"
         self.loads += 1
         self.processes.update({self._spawn(): "llm_0_0", self._spawn(): "llm_0_1"})

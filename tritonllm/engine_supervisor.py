@@ -76,14 +76,12 @@ class EngineSupervisor:
     """A thread that notices an engine process ending (within _POLL_INTERVAL_S) and reloads the model."""
 
     def __init__(self, server: TritonServer, budget: RestartBudget, *, on_death: Callable[[str, str], None],
-                 on_recovered: Callable[[], None], on_give_up: Callable[[str], None],
-                 model_control_headers: dict[str, str] | None = None):
+                 on_recovered: Callable[[], None], on_give_up: Callable[[str], None]):
         self.server = server
         self.budget = budget
         self.on_death = on_death  # (instance, what happened)
         self.on_recovered = on_recovered
         self.on_give_up = on_give_up  # (why): serve stops, exit code 1
-        self.model_control_headers = model_control_headers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
 
@@ -118,7 +116,7 @@ class EngineSupervisor:
         started = time.monotonic()
         log.warning("reloading model %s (engine instance(s) %s died)", MODEL_NAME, ", ".join(sorted(ended.values())))
         try:
-            self.server.model_control("load", self.model_control_headers)
+            self.server.model_control("load")
         except RuntimeError as error:
             if not self._stop.is_set():
                 self.on_give_up(f"reloading the model failed: {error}")

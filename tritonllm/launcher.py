@@ -359,12 +359,12 @@ class TritonServer:
         return {pid: instance for pid in _child_pids(self.process.pid)
                 if (instance := _stub_instance(pid)) is not None}
 
-    def model_control(self, action: str, headers: dict[str, str] | None = None, timeout_s: float = 600) -> None:
+    def model_control(self, action: str, timeout_s: float = 600) -> None:
         """POST the model-repository API's `action` (load: load again, i.e. reload, a loaded model; unload) for the
-        `llm` model, with `headers` (what a restricted API asks for); RuntimeError with Triton's answer if it fails.
-        Triton answers once the new instances are ready (or failed)."""
+        `llm` model, with the API key's header when the API is restricted; RuntimeError with Triton's answer if it
+        fails. Triton answers once the new instances are ready (or failed)."""
         request = urllib.request.Request(f"{self.http_url}/v2/repository/models/{MODEL_NAME}/{action}", data=b"{}",
-                                         method="POST", headers={"Content-Type": "application/json", **(headers or {})})
+                                         method="POST", headers={"Content-Type": "application/json", **self.headers})
         try:
             with urllib.request.urlopen(request, timeout=timeout_s):
                 return
