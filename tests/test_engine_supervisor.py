@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from tritonllm.adapter.engine_health import EngineHealth
 from tritonllm.engine_supervisor import EngineSupervisor, RestartBudget, RestartSettings, exit_status
 
 
@@ -104,3 +105,16 @@ def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
     finally:
         supervisor.stop()
         server.close()
+
+
+def test_a_request_sent_before_the_reload_does_not_mark_the_new_instances_dead():
+    """A probe that left before the reload finished meets the old, dead instance; its answer, arriving after the
+    supervisor called the new instances healthy, must not turn /health red again for good."""
+    health = EngineHealth()
+    asked_at = time.monotonic()
+    health.mark_dead("llm_0_0", "killed by SIGKILL")  # the supervisor saw the process end
+    health.mark_all_alive()  # reloaded
+    health.mark_dead("llm_0_0", "Triton says its process is not healthy", asked_at)  # the stale answer
+    assert health.dead() == {}
+    health.mark_dead("llm_0_0", "Triton says its process is not healthy", time.monotonic())  # a new death
+    assert health.dead() == {"llm_0_0": "Triton says its process is not healthy"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 from tritonllm.adapter.errors import AdapterError, service_unavailable
 
@@ -33,15 +34,20 @@ class EngineHealth:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._dead: dict[str, str] = {}  # instance → what happened to it
+        self._renewed_at = float("-inf")  # time.monotonic() of the last (re)load: its instances are new
 
-    def mark_dead(self, instance: str, what: str = "its process ended") -> None:
+    def mark_dead(self, instance: str, what: str = "its process ended", asked_at: float | None = None) -> None:
+        """`asked_at`: when the request that met the dead instance was sent; one sent before the last reload met an
+        instance that is gone now, and says nothing about the new ones."""
         with self._lock:
-            self._dead.setdefault(instance, what)
+            if asked_at is None or asked_at >= self._renewed_at:
+                self._dead.setdefault(instance, what)
 
     def mark_all_alive(self) -> None:
         """The model was (re)loaded, or tritonserver restarted: its instances are new."""
         with self._lock:
             self._dead.clear()
+            self._renewed_at = time.monotonic()
 
     def dead(self) -> dict[str, str]:
         with self._lock:

@@ -246,6 +246,7 @@ class TritonClient:
         refused it before any response."""
         for attempt in range(_DEAD_ENGINE_RETRIES + 1):
             answered = False
+            asked_at = time.monotonic()
             try:
                 async with aclosing(self._call(inputs, request_id)) as results:
                     async for result in results:
@@ -253,7 +254,7 @@ class TritonClient:
                         yield result
                 return
             except _EngineDied as died:
-                self.health.mark_dead(died.instance, "Triton says its process is not healthy")
+                self.health.mark_dead(died.instance, "Triton says its process is not healthy", asked_at)
                 if answered or attempt == _DEAD_ENGINE_RETRIES:
                     raise engine_died(died.instance) from None
 
