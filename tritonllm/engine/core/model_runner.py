@@ -23,7 +23,7 @@ from tritonllm.model_files import cpu_ops_dir
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.models import registry
 from tritonllm.engine.models.llama import LlamaForCausalLM
-from tritonllm.engine.models.weights import read_q4_1_blocks
+from tritonllm.engine.models.weights import read_gguf_blocks
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.kernels.decode_attention import DecodeWorkspace
 
@@ -84,11 +84,11 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
     cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
     model = registry.from_pretrained(model_dir, torch.float32, device)
-    q4 = read_q4_1_blocks(model_dir, model.arch)
-    options = candidates(config.weight_format, dtype, has_q4=q4 is not None)
+    blocks = read_gguf_blocks(model_dir, model.arch)
+    options = candidates(config.weight_format, dtype, has_blocks=blocks is not None)
 
     def in_format(model: LlamaForCausalLM, choice: Choice) -> LlamaForCausalLM:
-        model.use_weight_format(choice, q4)
+        model.use_weight_format(choice, blocks)
         return model.to(choice.dtype)
 
     layers = _probe_layers(model)

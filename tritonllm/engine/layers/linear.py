@@ -2,7 +2,7 @@
 
 On a CPU the matmuls are most of a step, and which format is fastest depends on the machine: fp32 through
 oneDNN (prepacked) beats MKL's small-batch sgemm on some CPUs; fbgemm's fp16-weight kernels halve the bytes
-read on any AVX2 CPU; the CPU ops' int4 kernel (tritonllm/kernels/cpu) reads the checkpoint's own Q4_1 blocks, a third of
+read on any AVX2 CPU; the CPU ops' int4 kernel (tritonllm/kernels/cpu) reads the GGUF's own 4-bit blocks, a third of
 fp16's bytes, and dequantizes them in registers (memory-bound one token at a time with AVX-512, compute-bound
 with AVX2 only); bf16 weights and activations, and torch's int4 weight-only kernel, are fast only on CPUs with
 bf16 hardware (AVX512-BF16, AMX) and much slower without it. `choose_format` times the candidates on the
@@ -13,8 +13,8 @@ checkpoint:
 |---|---|---|---|---|
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
-| int4 | the checkpoint's own Q4_1 blocks (scale d, zero m per 32 weights): the CPU ops' kernel with fp32 activations, torch's with bf16 | fp32 (auto), or bf16 | fp32: exactly the shipped 4-bit weights; bf16: activations and d, m rounded to bf16 | with fp32 activations |
-| int4-q8 | the same Q4_1 blocks, repacked in groups of 16 rows for the CPU ops' integer kernel | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
+| int4 | the GGUF's own blocks: Q4_0, Q4_1, Q4_K as int4 blocks (scale d, zero m per 32 weights, fp32), Q8_0 as they are; the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one) | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
@@ -43,7 +43,7 @@ from tritonllm.kernels import cpu as cpu_ops
 log = logging.getLogger(__name__)
 
 INT4_GROUP = 32  # Q4_1's block size, and the int4 kernel's group
-Q4_FORMATS = ("int4", "int4-q8")  # the formats that serve a checkpoint's own Q4_1 blocks
+BLOCK_FORMATS = ("int4", "int4-q8")  # the formats that serve a GGUF's own blocks
 FBGEMM_ROW_GROUP = 4  # float16: every row through the same fbgemm kernel (with 1-2 rows AVX2 sums differently)
 
 
@@ -66,16 +66,31 @@ def _fbgemm_available() -> bool:
 
 @dataclass(frozen=True)
 class Q4Weight:
-    """A projection's weights as Q4_1 blocks along the input dimension: w = d · q + m."""
+    """A projection's weights as int4 blocks along the input dimension: w = d · q + m (a GGUF's Q4_0, Q4_1 and
+    Q4_K blocks, exactly: tritonllm/gguf_blocks.py)."""
 
     q: torch.Tensor  # [out, in] uint8 in 0..15
-    d: torch.Tensor  # [out, in / 32] float16
-    m: torch.Tensor  # [out, in / 32] float16
+    d: torch.Tensor  # [out, in / 32] float32
+    m: torch.Tensor  # [out, in / 32] float32
 
     @staticmethod
     def concat(parts: list["Q4Weight"]) -> "Q4Weight":
         """Fused projections (qkv, gate_up) concatenate their parts' output rows."""
         return Q4Weight(*(torch.cat([getattr(p, name) for p in parts]) for name in ("q", "d", "m")))
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """A projection's weights as a GGUF's Q8_0 blocks: [out, in / 32, 34] uint8 (fp16 d, 32 int8 codes)."""
+
+    blocks: torch.Tensor
+
+    @staticmethod
+    def concat(parts: list["Q8Weight"]) -> "Q8Weight":
+        return Q8Weight(torch.cat([p.blocks for p in parts]))
+
+
+BlockWeight = Q4Weight | Q8Weight
 
 
 class Projection(nn.Module):
@@ -151,7 +166,7 @@ class Int8Projection(Projection):
 
 
 class Int4Projection(Projection):
-    """Q4_1 weights in torch's int4 CPU layout: w = (q − 8) · d + (m + 8d) per group of 32 inputs (fast with bf16
+    """int4 blocks in torch's int4 CPU layout: w = (q − 8) · d + (m + 8d) per group of 32 inputs (fast with bf16
     activations on bf16 hardware)."""
 
     def __init__(self, weight: Q4Weight, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -165,7 +180,7 @@ class Int4Projection(Projection):
 
 
 class Q4Projection(Projection):
-    """Q4_1 weights as the checkpoint's blocks: the CPU ops' kernel dequantizes w = d · q + m per block in
+    """int4 blocks as they are: the CPU ops' kernel dequantizes w = d · q + m per block in
     registers and multiplies in fp32 (6 bits a weight with the scales widened to fp32), or, with int8 activations,
     sums each block's products of codes in integers over the blocks repacked in groups of rows (q4_q8_matmul; 5
     bits a weight)."""
@@ -187,8 +202,8 @@ class Q8Projection(Projection):
     block in registers and multiplies in fp32, or sums codes in integers with int8 activations (over the blocks
     repacked in groups of rows)."""
 
-    def __init__(self, blocks: torch.Tensor, int8_activations: bool):
-        super().__init__(None)
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None, int8_activations: bool):
+        super().__init__(bias)
         self.rows = blocks.shape[0]
         self.int8_activations = int8_activations
         self.packed = cpu_ops.pack_q8_rows(blocks) if int8_activations else blocks
@@ -208,21 +223,27 @@ class Choice:
     kernel: str  # aten, onednn, fbgemm (float16), int8, int4 (torch's), cpu_ops (int4 and int4-q8, tritonllm/kernels/cpu)
 
     @property
-    def q4(self) -> bool:
-        """Whether the projections are the checkpoint's Q4_1 blocks."""
-        return self.weight_format in Q4_FORMATS
+    def blocks(self) -> bool:
+        """Whether the projections are the GGUF's own blocks (where it has blocks the kernels run)."""
+        return self.weight_format in BLOCK_FORMATS
 
     @property
     def int8_activations(self) -> bool:
         return self.weight_format == "int4-q8"
 
-    def make(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Weight | None = None) -> Projection:
-        """A projection of fp32 `weight` (or of its Q4_1 blocks, for int4)."""
+    def make(self, weight: torch.Tensor, bias: torch.Tensor | None,
+             blocks: BlockWeight | None = None) -> Projection:
+        """A projection of fp32 `weight` (or of its GGUF blocks, for int4 and int4-q8: without blocks a kernel
+        runs, as float16 or bf16, the head's way)."""
+        if self.blocks and not (isinstance(blocks, Q4Weight) or self.kernel == "cpu_ops" and blocks is not None):
+            return self._dense_beside_blocks(weight, bias)
         bias = None if bias is None else bias.to(self.dtype)
         if self.kernel == "int4":
-            return Int4Projection(q4, bias, self.dtype)
+            return Int4Projection(blocks, bias, self.dtype)
+        if isinstance(blocks, Q8Weight):
+            return Q8Projection(blocks.blocks, bias, self.int8_activations)
         if self.kernel == "cpu_ops":
-            return Q4Projection(q4, bias, self.int8_activations)
+            return Q4Projection(blocks, bias, self.int8_activations)
         if self.kernel == "int8":
             return Int8Projection(weight, bias)
         if self.kernel == "fbgemm":
@@ -231,21 +252,26 @@ class Choice:
         return OneDNNProjection(weight, bias) if self.kernel == "onednn" else DenseProjection(weight, bias)
 
     def make_head(self, weight: torch.Tensor) -> Projection:
-        """The LM head: int4 has no Q4_1 blocks for it. With the CPU ops it runs as the checkpoint's Q8_0 blocks
+        """The LM head: the block formats read no blocks for it. With the CPU ops it runs as the checkpoint's Q8_0 blocks
         where the weight is exactly those (a GGUF's Q8_0 head: half fp16's bytes, and exact); otherwise near-exact:
         fp16 weights with fp32 activations, bf16 with bf16 activations."""
         if self.kernel == "cpu_ops" and (packed := cpu_ops.pack_q8_exact(weight)) is not None:
-            return Q8Projection(packed, self.int8_activations)
-        if self.q4 and self.dtype == torch.float32 and _fbgemm_available():
-            return Choice("float16", self.dtype, "fbgemm").make(weight, None)
-        if self.q4:
-            if _onednn_available():
-                try:
-                    return Choice("bfloat16", self.dtype, "onednn").make(weight, None)
-                except RuntimeError:  # oneDNN's bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
-                    log.info("oneDNN has no bf16 kernel for this CPU: the LM head runs through aten")
-            return Choice("bfloat16", self.dtype, "aten").make(weight, None)
+            return Q8Projection(packed, None, self.int8_activations)
+        if self.blocks:
+            return self._dense_beside_blocks(weight, None)
         return self.make(weight, None)
+
+    def _dense_beside_blocks(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
+        """A weight the block formats have no blocks for: fp16 weights with fp32 activations (near-exact), bf16
+        with bf16 activations."""
+        if self.dtype == torch.float32 and _fbgemm_available():
+            return Choice("float16", self.dtype, "fbgemm").make(weight, bias)
+        if _onednn_available():
+            try:
+                return Choice("bfloat16", self.dtype, "onednn").make(weight, bias)
+            except RuntimeError:  # oneDNN's bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+                log.info("oneDNN has no bf16 kernel for this CPU: a weight without blocks runs through aten")
+        return Choice("bfloat16", self.dtype, "aten").make(weight, bias)
 
     def describe(self) -> str:
         activations = {"int8": "int8 per token", "int4-q8": "int8 per block of 32"}.get(
@@ -253,11 +279,11 @@ class Choice:
         return f"{self.weight_format} ({self.kernel} kernel, {activations} activations)"
 
 
-def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[Choice]:
+def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool) -> list[Choice]:
     """What `requested` may run as on the CPU; `dtype` None lets the format choose the activations.
 
     auto considers only what keeps float32's greedy output (the table above): fp32 activations with fp32 or fp16
-    weights, or with the checkpoint's own Q4_1 weights. bf16 activations (bfloat16; int4 on bf16 hardware without
+    weights, or with the GGUF's own blocks (has_blocks: the checkpoint has some the kernels run). bf16 activations (bfloat16; int4 on bf16 hardware without
     the CPU ops) change some greedy continuations: they run when asked for, by weight_format or by dtype=bfloat16
     (then auto times those)."""
     if requested not in WEIGHT_FORMATS:
@@ -265,12 +291,13 @@ def candidates(requested: str, dtype: torch.dtype | None, has_q4: bool) -> list[
     if requested == "auto":
         act = dtype or torch.float32
         formats = (["float32"] + (["float16"] if _fbgemm_available() else []) if act == torch.float32
-                   else ["bfloat16"]) + (["int4"] if has_q4 else [])
+                   else ["bfloat16"]) + (["int4"] if has_blocks else [])
     else:
         formats = [requested]
-        if requested in Q4_FORMATS and not has_q4:
-            raise ValueError(f"weight_format {requested} serves a checkpoint's Q4_1 weights; this model has none (it "
-                             "was not converted from a Q4_1 GGUF)")
+        if requested in BLOCK_FORMATS and not has_blocks:
+            raise ValueError(f"weight_format {requested} serves a GGUF's own blocks; this model has none the kernels "
+                             "run (it was not converted from a llama or qwen3 GGUF with Q4_0, Q4_1, Q4_K or Q8_0 "
+                             "projections)")
         if requested == "int4-q8" and not cpu_ops.available():
             raise ValueError("weight_format int4-q8 runs on the CPU ops, which could not be built here (no C "
                              "compiler, or TRITONLLM_CPU_OPS=0)")

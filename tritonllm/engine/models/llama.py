@@ -15,7 +15,7 @@ from torch import nn
 from tritonllm import kernels
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.engine.layers.attention import AttentionMetadata, paged_attention
-from tritonllm.engine.layers.linear import Choice, Q4Weight
+from tritonllm.engine.layers.linear import BlockWeight, Choice, Q4Projection
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.layers.moe import SparseMoeMLP
 from tritonllm.engine.layers.norm import RMSNorm
@@ -170,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(normed).float()
 
     def _projections(self, layer: int) -> list[tuple[nn.Module, str]]:
-        """(owner, attribute) of one layer's projections that take the weight format, in the Q4_1 reader's order."""
+        """(owner, attribute) of one layer's projections that take the weight format, in the block reader's order."""
         owners = (self.layers[layer].self_attn, self.layers[layer].mlp)
         return [(owner, name) for owner in owners for name in owner.PROJECTIONS]
 
@@ -182,19 +182,21 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
-    def use_weight_format(self, choice: Choice, q4: dict[int, list[Q4Weight]] | None) -> None:
+    def use_weight_format(self, choice: Choice, blocks: dict[int, list[BlockWeight | None]] | None) -> None:
         """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
-        q4: per layer, the Q4_1 blocks of projection_weights(layer), for int4."""
+        blocks: per layer, the GGUF blocks of projection_weights(layer) (None where it has none), for int4."""
         for index in range(len(self.layers)):
             owners = self._projections(index)
-            for (owner, name), blocks in zip(owners, q4[index] if q4 else [None] * len(owners)):
+            for (owner, name), weight in zip(owners, blocks[index] if blocks else [None] * len(owners)):
                 linear = getattr(owner, name)
-                setattr(owner, name, choice.make(linear.weight, linear.bias, blocks))
+                setattr(owner, name, choice.make(linear.weight, linear.bias, weight))
         self.lm_head = choice.make_head(self.head_weight())
         arch = self.arch
         self.int8_activations = choice.int8_activations  # what llama_decode's projections run with
         self.decodes_in_one_call = (choice.kernel == "cpu_ops" and not arch.qk_norm and not arch.attention_bias
-                                    and not arch.mlp_bias and not arch.moe_layers)
+                                    and not arch.mlp_bias and not arch.moe_layers and all(
+                                        isinstance(getattr(owner, name), Q4Projection)
+                                        for index in range(len(self.layers)) for owner, name in self._projections(index)))
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: dict, dtype: torch.dtype,

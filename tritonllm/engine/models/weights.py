@@ -1,6 +1,6 @@
 """Checkpoint tensors → the models' parameters: reading an HF directory's safetensors, renaming them to our
 modules' names and fusing them (q/k/v into qkv, gate/up into gate_up, experts stacked), and the converted GGUF's
-Q4_1 blocks for the int4 weight format.
+blocks for the int4 weight formats.
 
 Experts load from any of the checkpoint layouts: Mixtral's per-expert `block_sparse_moe.experts.E.w1/w2/w3`,
 Qwen3-MoE's per-expert `mlp.experts.E.gate_proj/up_proj/down_proj`, or the fused 3-D `mlp.experts.gate_up_proj`
@@ -8,14 +8,18 @@ Qwen3-MoE's per-expert `mlp.experts.E.gate_proj/up_proj/down_proj`, or the fused
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from tritonllm.engine.layers.linear import Q4Weight
-from tritonllm.model_files import Q4_1_FILE
+from tritonllm.engine.layers.linear import BlockWeight, Q4Weight, Q8Weight
+from tritonllm.model_files import BLOCKS_FILE, UNCOVERED_METADATA
 from tritonllm.engine.models.architecture import ModelArchitecture
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_state(model_dir: Path, arch: ModelArchitecture) -> dict[str, torch.Tensor]:
@@ -23,27 +27,41 @@ def checkpoint_state(model_dir: Path, arch: ModelArchitecture) -> dict[str, torc
     return _fuse_checkpoint(_read_safetensors(model_dir), arch)
 
 
-def read_q4_1_blocks(model_dir: Path, arch: ModelArchitecture) -> dict[int, list[Q4Weight]] | None:
-    """The converted GGUF's Q4_1 blocks of every dense layer's fused projections (as projection_weights orders
-    them), or None when the checkpoint has no complete set."""
-    path = Path(model_dir) / Q4_1_FILE
+def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> dict[int, list[BlockWeight | None]] | None:
+    """The converted GGUF's blocks of every dense layer's fused projections (as projection_weights orders them;
+    None for a projection whose parts are not all int4 or all Q8_0 blocks), or None when it has none. Logs, once a
+    load, each GGUF type that runs dense (no kernel of its own here yet)."""
+    path = Path(model_dir) / BLOCKS_FILE
     if not path.is_file() or arch.is_moe:
         return None
     with safe_open(str(path), framework="pt") as handle:
         names = set(handle.keys())
+        for qtype, (tensors, weights) in json.loads(handle.metadata().get(UNCOVERED_METADATA, "{}")).items():
+            log.warning("GGUF type %s: %d tensors (%.1fM weights) have no kernel here: they run dequantized (float16 "
+                        "weights, 16 bits each, with the int4 formats; float32 or float16 otherwise)", qtype, tensors,
+                        weights / 1e6)
 
-        def blocks(name: str) -> Q4Weight | None:
-            keys = [f"model.layers.{name}.weight.{part}" for part in "qdm"]
-            return Q4Weight(*(handle.get_tensor(key) for key in keys)) if keys[0] in names else None
+        def part(name: str) -> BlockWeight | None:
+            key = f"model.layers.{name}.weight"
+            if f"{key}.q8_0" in names:
+                return Q8Weight(handle.get_tensor(f"{key}.q8_0"))
+            return Q4Weight(*(handle.get_tensor(f"{key}.{p}") for p in "qdm")) if f"{key}.q" in names else None
 
-        layers = {}
-        for i in range(arch.num_layers):
-            parts = [[blocks(f"{i}.self_attn.{p}_proj") for p in "qkv"], [blocks(f"{i}.self_attn.o_proj")],
-                     [blocks(f"{i}.mlp.gate_proj"), blocks(f"{i}.mlp.up_proj")], [blocks(f"{i}.mlp.down_proj")]]
-            if any(block is None for fused in parts for block in fused):
-                return None
-            layers[i] = [Q4Weight.concat(fused) for fused in parts]
-    return layers
+        mixed = []  # fused projections whose parts have blocks of different kinds, or some none
+
+        def fused(parts: list[BlockWeight | None]) -> BlockWeight | None:
+            kind = type(parts[0])
+            if kind in (Q4Weight, Q8Weight) and all(type(p) is kind for p in parts):
+                return kind.concat(parts)
+            mixed.extend([1] if any(p is not None for p in parts) else [])
+            return None
+
+        layers = {i: [fused([part(f"{i}.self_attn.{p}_proj") for p in "qkv"]), fused([part(f"{i}.self_attn.o_proj")]),
+                      fused([part(f"{i}.mlp.gate_proj"), part(f"{i}.mlp.up_proj")]), fused([part(f"{i}.mlp.down_proj")])]
+                  for i in range(arch.num_layers)}
+    if mixed:
+        log.warning("%d fused projections (qkv, gate_up) mix GGUF types: they run dequantized too", len(mixed))
+    return layers if any(w is not None for ws in layers.values() for w in ws) else None
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -127,17 +127,15 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-# ---- quantized weights: the checkpoint's Q4_1 and Q8_0 blocks ----
+# ---- quantized weights: a GGUF's blocks (int4: w = d · q + m, Q8_0: w = d · q) ----
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Q4_1 codes q [out, in] (0..15) and fp16 scales d, zeros m [out, in / 32] → the kernel's blocks
-    [out, in / 32, 24] uint8: d, m as fp32 (the same values), then 16 bytes holding element j (low nibble) and
-    j + 16 (high)."""
+    """int4 codes q [out, in] (0..15) and scales d, zeros m [out, in / 32] (fp32 values) → the kernel's blocks
+    [out, in / 32, 24] uint8: d, m as fp32, then 16 bytes holding element j (low nibble) and j + 16 (high)."""
     rows, width = q.shape
     codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, QUANT_BLOCK)
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    scales = [t.to(torch.float16).float().contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 4)
-              for t in (d, m)]
+    scales = [t.float().contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 4) for t in (d, m)]
     return torch.cat([*scales, nibbles], dim=-1).contiguous()
 
 
@@ -174,8 +172,9 @@ def _row_groups(codes: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor
 
 
 def pack_q4_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Q4_1 codes q [out, in] (0..15) and scales d, zeros m [out, in / 32] → q4_q8_matmul's row groups: per block,
-    4 chunks whose low nibbles hold inputs 4c .. 4c + 3 and high nibbles 16 + 4c .. 16 + 4c + 3, then d, m."""
+    """int4 codes q [out, in] (0..15) and scales d, zeros m [out, in / 32] → q4_q8_matmul's row groups: per block,
+    4 chunks whose low nibbles hold inputs 4c .. 4c + 3 and high nibbles 16 + 4c .. 16 + 4c + 3, then d, m rounded
+    to fp16 (exact for Q4_0 and Q4_1, not for every Q4_K scale: the integer kernel is lossy anyway)."""
     rows, width = q.shape
     codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
     nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)

@@ -1,0 +1,103 @@
+"""A GGUF tensor's quantized blocks → the CPU kernels' blocks, where that is exact (numpy only).
+
+The int4 kernels (tritonllm/kernels/cpu/quant_matmul.c) compute w = d · q + m per block of 32 inputs, with 4-bit
+codes q and fp32 d, m. Three GGUF types are exactly that shape:
+
+- Q4_1: w = d · q + m (fp16 d, m widened to fp32);
+- Q4_0: w = d · (q − 8) = d · q + (−8d) (−8d is exact in fp32, and d · q too: an fp16 times a 4-bit integer);
+- Q4_K: a super-block of 256 is 8 sub-blocks of 32, each w = (d · sc) · q − (dmin · mn) with 6-bit sc, mn:
+  d' = fl32(d · sc) and m' = −fl32(dmin · mn) (as gguf computes them) give d' · q + m', the same single rounding
+  of an exact product (d' has at most 17 significant bits, q 4).
+
+Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are.
+
+`gguf.quants.dequantize` is the reference for every type: `kernel_blocks` returns a tensor's blocks only when they
+dequantize to exactly its numbers (the sign of a zero aside: Q4_0's d · 0 may be −0 where d · 8 − 8d is +0, and
+a dot product adds either the same way)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as Type
+from gguf import quants
+
+BLOCK = 32  # the kernels' block of inputs
+INT4_TYPES = (Type.Q4_0, Type.Q4_1, Type.Q4_K)
+Q8_TYPES = (Type.Q8_0,)
+COVERED_TYPES = INT4_TYPES + Q8_TYPES
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """w = d · q + m per block of 32 inputs: codes q [rows, K] uint8 in 0..15, d and m [rows, K / 32] float32."""
+
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+
+    def dequantize(self) -> np.ndarray:
+        return np.repeat(self.d, BLOCK, axis=1) * self.q.astype(np.float32) + np.repeat(self.m, BLOCK, axis=1)
+
+    def rows_reordered(self, order) -> "Int4Blocks":
+        return Int4Blocks(order(self.q), order(self.d), order(self.m))
+
+
+@dataclass(frozen=True)
+class Q8Blocks:
+    """Q8_0 blocks [rows, K / 32, 34] uint8 (fp16 d, then 32 int8 codes: w = d · q)."""
+
+    blocks: np.ndarray
+
+    def dequantize(self) -> np.ndarray:
+        d = self.blocks[..., :2].copy().view(np.float16).astype(np.float32)
+        return (self.blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(self.blocks.shape[0], -1)
+
+    def rows_reordered(self, order) -> "Q8Blocks":
+        return Q8Blocks(order(self.blocks))
+
+
+def _half(block: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 at byte `start` of each block, as float32 [..., 1]."""
+    return block[..., start:start + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """Bytes [..., n] → codes [..., 2n]: the low nibbles, then the high ones (Q4_0/Q4_1/Q4_K's order)."""
+    return np.concatenate([packed & 0xF, packed >> 4], axis=-1)
+
+
+def _int4_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int4Blocks:
+    if qtype == Type.Q4_K:
+        block = raw.reshape(rows, -1, 144)  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of codes
+        count = block.shape[1]
+        sc, mn = quants.Q4_K.get_scale_min(block[..., 4:16].reshape(-1, 12))
+        d = (_half(block, 0) * sc.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
+        m = -(_half(block, 2) * mn.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
+        # 4 chunks of 32 bytes: sub-block 2c is chunk c's low nibbles, 2c + 1 its high ones
+        q = _nibbles(block[..., 16:].reshape(rows, count, 4, 32)).reshape(rows, -1)
+        return Int4Blocks(q, d, m)
+    size = 18 if qtype == Type.Q4_0 else 20  # fp16 d (and Q4_1's fp16 m), 16 bytes: element j low, j + 16 high
+    block = raw.reshape(rows, -1, size)
+    d = _half(block, 0)[..., 0]
+    m = -8 * d if qtype == Type.Q4_0 else _half(block, 2)[..., 0]
+    return Int4Blocks(_nibbles(block[..., size - 16:]).reshape(rows, -1), d, m)
+
+
+def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int, order=lambda x: x) -> Int4Blocks | Q8Blocks | None:
+    """A GGUF tensor's raw bytes (rows of blocks) as the kernels' blocks, with its rows put in `order` (a function
+    of an array's first axis: llama's q/k rows are stored interleaved), or None for a type they do not cover or
+    blocks that do not dequantize exactly to `gguf.quants.dequantize`'s numbers."""
+    raw = np.ascontiguousarray(raw).view(np.uint8)
+    if qtype in INT4_TYPES:
+        blocks = _int4_blocks(raw, qtype, rows)
+    elif qtype in Q8_TYPES:
+        blocks = Q8Blocks(raw.reshape(rows, -1, 34).copy())
+    else:
+        return None
+    blocks = blocks.rows_reordered(order)
+    reference = order(quants.dequantize(raw, qtype).reshape(rows, -1))
+    with np.errstate(invalid="ignore", over="ignore"):
+        ours = blocks.dequantize()
+    return blocks if np.array_equal(ours, reference) else None
