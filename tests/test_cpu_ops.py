@@ -92,6 +92,33 @@ def test_q8_matmul_rows_do_not_depend_on_the_batch():
             assert torch.equal(cpu.q8_matmul(x[start:start + size], packed), together[start:start + size])
 
 
+def _q6(rows: int, width: int):
+    """Random Q6_K-shaped weights as q6_matmul's blocks: int8 codes in -32..31, an fp32 scale per 16 (an fp16 times
+    an int8, as Q6_K's d · sc), and the float32 weights they stand for."""
+    q = torch.randint(-32, 32, (rows, width), dtype=torch.int8)
+    d = (torch.rand(rows, width // 16) * 1e-3).half().float() * torch.randint(-128, 128, (rows, width // 16))
+    return cpu.pack_q6(q, d), d.repeat_interleave(16, 1) * q
+
+
+@pytest.mark.parametrize("rows, width", [(4, 32), (7, 96), (577, 576)])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_q6_matmul_is_the_dequantized_weights_in_float32(rows, width, tokens):
+    packed, dense = _q6(rows, width)
+    assert packed.shape == (rows, width // 32, 40)
+    x = torch.randn(tokens, width)
+    torch.testing.assert_close(cpu.q6_matmul(x, packed), x @ dense.T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cpu.q6_matmul(torch.eye(width), packed).T, dense)  # each weight read back, to the bit
+
+
+def test_q6_matmul_rows_do_not_depend_on_the_batch():
+    packed, _ = _q6(131, 576)
+    x = torch.randn(37, 576)
+    together = cpu.q6_matmul(x, packed)
+    for size in (1, 3, 9):
+        for start in range(0, len(x) - size + 1, 7):
+            assert torch.equal(cpu.q6_matmul(x[start:start + size], packed), together[start:start + size])
+
+
 def _q8_activations(x: torch.Tensor):
     """Each token's inputs per block of 32 as llama.cpp's Q8_1: codes round(x · 127 / absmax) (ties to even), the
     scale dx = absmax / 127 and sx = dx · Σ codes, in float32 as the op computes them."""

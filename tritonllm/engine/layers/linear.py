@@ -13,7 +13,7 @@ checkpoint:
 |---|---|---|---|---|
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
-| int4 | the GGUF's own blocks: Q4_0, Q4_1, Q4_K as int4 blocks (scale d, zero m per 32 weights, fp32), Q8_0 as they are; the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4 | the GGUF's own blocks: Q4_0, Q4_1, Q4_K as int4 blocks (scale d, zero m per 32 weights, fp32), Q8_0 as they are, Q5_0 as Q8_0, Q6_K as int8 codes with an fp32 scale per 16 (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
 | int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one) | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
@@ -90,7 +90,19 @@ class Q8Weight:
         return Q8Weight(torch.cat([p.blocks for p in parts]))
 
 
-BlockWeight = Q4Weight | Q8Weight
+@dataclass(frozen=True)
+class Q6Weight:
+    """A projection's weights as a GGUF's Q6_K blocks, repacked exactly: w = d · q per 16 inputs."""
+
+    q: torch.Tensor  # [out, in] int8 (Q6_K's q − 32)
+    d: torch.Tensor  # [out, in / 16] float32 (Q6_K's d · sc)
+
+    @staticmethod
+    def concat(parts: list["Q6Weight"]) -> "Q6Weight":
+        return Q6Weight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+
+
+BlockWeight = Q4Weight | Q8Weight | Q6Weight
 
 
 class Projection(nn.Module):
@@ -214,6 +226,18 @@ class Q8Projection(Projection):
         return cpu_ops.q8_matmul(x, self.packed)
 
 
+class Q6Projection(Projection):
+    """Q6_K weights as int8 codes with an fp32 scale per 16 (10 bits a weight): the CPU ops' kernel dequantizes
+    w = d · q per block in registers and multiplies in fp32 (int4-q8 too: no integer kernel for them yet)."""
+
+    def __init__(self, weight: Q6Weight, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.packed = cpu_ops.pack_q6(weight.q, weight.d)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.q6_matmul(x, self.packed)
+
+
 @dataclass(frozen=True)
 class Choice:
     """A weight format, the activation dtype it runs with, and its kernel."""
@@ -242,6 +266,8 @@ class Choice:
             return Int4Projection(blocks, bias, self.dtype)
         if isinstance(blocks, Q8Weight):
             return Q8Projection(blocks.blocks, bias, self.int8_activations)
+        if isinstance(blocks, Q6Weight):
+            return Q6Projection(blocks, bias)
         if self.kernel == "cpu_ops":
             return Q4Projection(blocks, bias, self.int8_activations)
         if self.kernel == "int8":
@@ -251,10 +277,12 @@ class Choice:
         weight = weight.to(self.dtype)
         return OneDNNProjection(weight, bias) if self.kernel == "onednn" else DenseProjection(weight, bias)
 
-    def make_head(self, weight: torch.Tensor) -> Projection:
-        """The LM head: the block formats read no blocks for it. With the CPU ops it runs as the checkpoint's Q8_0 blocks
-        where the weight is exactly those (a GGUF's Q8_0 head: half fp16's bytes, and exact); otherwise near-exact:
+    def make_head(self, weight: torch.Tensor, blocks: BlockWeight | None = None) -> Projection:
+        """The LM head: with the CPU ops, the GGUF's own blocks of it (or of the tied embedding) where it has some,
+        else its Q8_0 blocks where the weight is exactly those (half fp16's bytes, and exact); otherwise near-exact:
         fp16 weights with fp32 activations, bf16 with bf16 activations."""
+        if self.kernel == "cpu_ops" and blocks is not None:
+            return self.make(weight, None, blocks)
         if self.kernel == "cpu_ops" and (packed := cpu_ops.pack_q8_exact(weight)) is not None:
             return Q8Projection(packed, None, self.int8_activations)
         if self.blocks:
@@ -283,9 +311,9 @@ def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool) -> l
     """What `requested` may run as on the CPU; `dtype` None lets the format choose the activations.
 
     auto considers only what keeps float32's greedy output (the table above): fp32 activations with fp32 or fp16
-    weights, or with the GGUF's own blocks (has_blocks: the checkpoint has some the kernels run). bf16 activations (bfloat16; int4 on bf16 hardware without
-    the CPU ops) change some greedy continuations: they run when asked for, by weight_format or by dtype=bfloat16
-    (then auto times those)."""
+    weights, or with the GGUF's own blocks (has_blocks: the checkpoint has some the kernels run). bf16 activations
+    (bfloat16; int4 on bf16 hardware without the CPU ops) change some greedy continuations: they run when asked for,
+    by weight_format or by dtype=bfloat16 (then auto times those)."""
     if requested not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight_format {requested!r} (choose from {', '.join(WEIGHT_FORMATS)})")
     if requested == "auto":

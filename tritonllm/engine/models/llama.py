@@ -15,13 +15,13 @@ from torch import nn
 from tritonllm import kernels
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.engine.layers.attention import AttentionMetadata, paged_attention
-from tritonllm.engine.layers.linear import BlockWeight, Choice, Q4Projection
+from tritonllm.engine.layers.linear import Choice, Q4Projection
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.layers.moe import SparseMoeMLP
 from tritonllm.engine.layers.norm import RMSNorm
 from tritonllm.engine.layers.rotary import RotaryEmbedding
 from tritonllm.engine.models.architecture import ModelArchitecture
-from tritonllm.engine.models.weights import checkpoint_state
+from tritonllm.engine.models.weights import GgufBlocks, checkpoint_state
 
 
 class LlamaAttention(nn.Module):
@@ -182,21 +182,21 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
-    def use_weight_format(self, choice: Choice, blocks: dict[int, list[BlockWeight | None]] | None) -> None:
+    def use_weight_format(self, choice: Choice, blocks: GgufBlocks | None) -> None:
         """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
-        blocks: per layer, the GGUF blocks of projection_weights(layer) (None where it has none), for int4."""
+        blocks: the GGUF's blocks of projection_weights(layer) and of the head, for int4 and int4-q8."""
         for index in range(len(self.layers)):
             owners = self._projections(index)
-            for (owner, name), weight in zip(owners, blocks[index] if blocks else [None] * len(owners)):
+            for (owner, name), weight in zip(owners, blocks.layers[index] if blocks else [None] * len(owners)):
                 linear = getattr(owner, name)
                 setattr(owner, name, choice.make(linear.weight, linear.bias, weight))
-        self.lm_head = choice.make_head(self.head_weight())
+        self.lm_head = choice.make_head(self.head_weight(), blocks.head if blocks and choice.blocks else None)
         arch = self.arch
         self.int8_activations = choice.int8_activations  # what llama_decode's projections run with
-        self.decodes_in_one_call = (choice.kernel == "cpu_ops" and not arch.qk_norm and not arch.attention_bias
-                                    and not arch.mlp_bias and not arch.moe_layers and all(
-                                        isinstance(getattr(owner, name), Q4Projection)
-                                        for index in range(len(self.layers)) for owner, name in self._projections(index)))
+        every_int4 = all(isinstance(getattr(owner, name), Q4Projection)
+                         for index in range(len(self.layers)) for owner, name in self._projections(index))
+        self.decodes_in_one_call = (choice.kernel == "cpu_ops" and every_int4 and not arch.qk_norm
+                                    and not arch.attention_bias and not arch.mlp_bias and not arch.moe_layers)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: dict, dtype: torch.dtype,

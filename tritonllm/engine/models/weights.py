@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tritonllm.engine.layers.linear import BlockWeight, Q4Weight, Q8Weight
+from dataclasses import dataclass
+
+from tritonllm.engine.layers.linear import BlockWeight, Q4Weight, Q6Weight, Q8Weight
 from tritonllm.model_files import BLOCKS_FILE, UNCOVERED_METADATA
 from tritonllm.engine.models.architecture import ModelArchitecture
 
@@ -27,10 +29,18 @@ def checkpoint_state(model_dir: Path, arch: ModelArchitecture) -> dict[str, torc
     return _fuse_checkpoint(_read_safetensors(model_dir), arch)
 
 
-def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> dict[int, list[BlockWeight | None]] | None:
-    """The converted GGUF's blocks of every dense layer's fused projections (as projection_weights orders them;
-    None for a projection whose parts are not all int4 or all Q8_0 blocks), or None when it has none. Logs, once a
-    load, each GGUF type that runs dense (no kernel of its own here yet)."""
+@dataclass(frozen=True)
+class GgufBlocks:
+    """A converted GGUF's blocks that the kernels run: per layer, its fused projections' (as projection_weights
+    orders them; None for one whose parts are not all of one kind), and the LM head's (or the tied embedding's)."""
+
+    layers: dict[int, list[BlockWeight | None]]
+    head: BlockWeight | None
+
+
+def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | None:
+    """The converted GGUF's blocks, or None when it has none. Logs, once a load, each GGUF type that runs dense (no
+    kernel of its own here yet)."""
     path = Path(model_dir) / BLOCKS_FILE
     if not path.is_file() or arch.is_moe:
         return None
@@ -41,27 +51,33 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> dict[int, list
                         "weights, 16 bits each, with the int4 formats; float32 or float16 otherwise)", qtype, tensors,
                         weights / 1e6)
 
-        def part(name: str) -> BlockWeight | None:
-            key = f"model.layers.{name}.weight"
+        def weight(key: str) -> BlockWeight | None:
             if f"{key}.q8_0" in names:
                 return Q8Weight(handle.get_tensor(f"{key}.q8_0"))
+            if f"{key}.q6_codes" in names:
+                return Q6Weight(handle.get_tensor(f"{key}.q6_codes"), handle.get_tensor(f"{key}.q6_scales"))
             return Q4Weight(*(handle.get_tensor(f"{key}.{p}") for p in "qdm")) if f"{key}.q" in names else None
+
+        def part(name: str) -> BlockWeight | None:
+            return weight(f"model.layers.{name}.weight")
 
         mixed = []  # fused projections whose parts have blocks of different kinds, or some none
 
         def fused(parts: list[BlockWeight | None]) -> BlockWeight | None:
             kind = type(parts[0])
-            if kind in (Q4Weight, Q8Weight) and all(type(p) is kind for p in parts):
+            if kind in (Q4Weight, Q8Weight, Q6Weight) and all(type(p) is kind for p in parts):
                 return kind.concat(parts)
             mixed.extend([1] if any(p is not None for p in parts) else [])
             return None
 
         layers = {i: [fused([part(f"{i}.self_attn.{p}_proj") for p in "qkv"]), fused([part(f"{i}.self_attn.o_proj")]),
-                      fused([part(f"{i}.mlp.gate_proj"), part(f"{i}.mlp.up_proj")]), fused([part(f"{i}.mlp.down_proj")])]
+                      fused([part(f"{i}.mlp.{p}_proj") for p in ("gate", "up")]), fused([part(f"{i}.mlp.down_proj")])]
                   for i in range(arch.num_layers)}
+        head = weight("model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight")
     if mixed:
         log.warning("%d fused projections (qkv, gate_up) mix GGUF types: they run dequantized too", len(mixed))
-    return layers if any(w is not None for ws in layers.values() for w in ws) else None
+    has_blocks = head is not None or any(w is not None for ws in layers.values() for w in ws)
+    return GgufBlocks(layers, head) if has_blocks else None
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -40,6 +40,7 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q6_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
@@ -139,6 +140,15 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.cat([*scales, nibbles], dim=-1).contiguous()
 
 
+def pack_q6(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8 codes q [out, in] and fp32 scales d [out, in / 16] (a GGUF's Q6_K: w = d · q) → q6_matmul's blocks
+    [out, in / 32, 40] uint8: the block's two scales, then its 32 codes."""
+    rows, width = q.shape
+    scales = d.float().contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 8)
+    return torch.cat([scales, q.to(torch.int8).view(torch.uint8).view(rows, width // QUANT_BLOCK, QUANT_BLOCK)],
+                     dim=-1).contiguous()
+
+
 def pack_q8_exact(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] as Q8_0 blocks [out, in / 32, 34] uint8 (fp16 d, then 32 int8 codes: w = d · q), or None
     unless those blocks hold it exactly: a GGUF's Q8_0 tensor dequantized comes back to its own blocks (llama.cpp
@@ -205,6 +215,11 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q8_exact's weights [out, in].T → [tokens, out]."""
     return _block_matmul(_library.q8_matmul, x, packed, packed.shape[0])
+
+
+def q6_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ pack_q6's weights [out, in].T → [tokens, out]."""
+    return _block_matmul(_library.q6_matmul, x, packed, packed.shape[0])
 
 
 def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,14 +1,17 @@
 #include "cpu_ops.h"
 
 /* ---- projections over the checkpoint's quantized blocks: y[T][N] = x[T][K] . W[N][K]^T ----
- * Q4_1 (the decoder's projections): w = d * q + m per block of 32 inputs; Q8_0 (a GGUF's embedding and LM head):
- * w = d * q, q signed. Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
+ * int4 (a GGUF's Q4_0, Q4_1, Q4_K, repacked exactly at load): w = d * q + m per block of 32 inputs; Q8_0 (and Q5_0
+ * as Q8_0): w = d * q, q signed; Q6 (a GGUF's Q6_K, repacked exactly): w = d * q, q signed, a scale per 16 inputs.
+ * Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
 
 #define QUANT_BLOCK 32
 #define Q4_1_BYTES 24 /* fp32 d, fp32 m (the GGUF's fp16, widened at load: each a broadcast from memory, where
                        * fp16 took a conversion and two shuffles per row and block), 16 bytes of nibbles: element
                        * j low, element j + 16 high */
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
+#define Q6_BYTES 40   /* fp32 d of inputs 0..15 and of 16..31 (Q6_K's d * sc: 19 bits, exact in fp32), 32 signed
+                       * bytes (Q6_K's q - 32): d * q is gguf's own product */
 
 /* A Q8_0 block's fp16 scale as a float. A vector conversion (of it and the first two codes): a scalar one merges
  * into its destination register, which chains every block to the one before. */
@@ -57,6 +60,21 @@ static inline void dequantize_q8_0(const uint8_t *block, vf *out) {
         out[i / VLEN] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * dv;
 #else
         const __m128i codes = _mm_loadl_epi64((const __m128i *)(block + 2 + i));
+        out[i / VLEN] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * dv;
+#endif
+    }
+}
+
+static inline void dequantize_q6(const uint8_t *block, vf *out) {
+    float scales[2];
+    memcpy(scales, block, 8);
+    for (int i = 0; i < QUANT_BLOCK; i += VLEN) {
+        const vf dv = splat(scales[i / 16]);
+#if VLEN == 16
+        const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 8 + i));
+        out[i / VLEN] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * dv;
+#else
+        const __m128i codes = _mm_loadl_epi64((const __m128i *)(block + 8 + i));
         out[i / VLEN] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * dv;
 #endif
     }
@@ -188,6 +206,7 @@ MICROKERNEL(1, 1)
 
 BLOCK_MATMUL(q4_matmul, dequantize_q4_1, Q4_1_BYTES)
 BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
+BLOCK_MATMUL(q6_matmul, dequantize_q6, Q6_BYTES)
 
 /* ---- the same projections with int8 activations, llama.cpp's way (its Q8_1 activations): each token's inputs
  * are quantized per block of 32 to codes qx = round(x / dx), |qx| <= 127, with the block's own scale dx = absmax /

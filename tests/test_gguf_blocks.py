@@ -1,0 +1,132 @@
+"""GGUF files run on their own blocks: Q4_0, Q4_1 and Q4_K repacked exactly onto the int4 kernels, Q8_0 (and
+Q5_0 as Q8_0) on the Q8_0 kernel, Q6_K on a kernel of its own, for llama and qwen3 files; what the kernels compute
+is `gguf.quants.dequantize`'s weights to the bit; a type without a kernel runs dequantized, said once in the log;
+the engine's logits are the dense model's."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Type
+from gguf import quants
+
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.model_runner import load_model
+from tritonllm.engine.layers import linear
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.engine.models import registry
+from tritonllm.engine.models import weights as weights_module
+from tritonllm.gguf_blocks import COVERED_TYPES, Int4Blocks, Q8Blocks, kernel_blocks
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.kernels import cpu as cpu_ops
+from tritonllm.model_files import convert_gguf, cpu_ops_dir
+from engine_helpers import generate, prefill_logits
+from gguf_models import MIXED_TYPES, random_blocks, write_tiny_gguf
+
+ROWS, WIDTH = 24, 512
+
+
+def _identity_outputs(projection, width: int) -> torch.Tensor:
+    """The weights a projection computes with, read back through it: row t of I @ W.T is W[:, t], each output
+    a single product w · 1 (the rest add zeros), so exactly the weight the kernel used."""
+    return projection(torch.eye(width)).T
+
+
+@pytest.mark.parametrize("qtype", COVERED_TYPES, ids=lambda t: t.name)
+def test_the_kernels_compute_with_ggufs_own_dequantized_weights(qtype):
+    raw = random_blocks(qtype, ROWS, WIDTH, np.random.default_rng(1))
+    reference = torch.from_numpy(quants.dequantize(raw, qtype).reshape(ROWS, WIDTH))
+    blocks = kernel_blocks(raw, qtype, ROWS)
+    assert blocks is not None
+    assert cpu_ops.load(cpu_ops_dir())
+    if isinstance(blocks, Int4Blocks):
+        weight, kind = linear.Q4Weight(*(torch.from_numpy(t) for t in (blocks.q, blocks.d, blocks.m))), "Q4"
+    elif isinstance(blocks, Q8Blocks):
+        weight, kind = linear.Q8Weight(torch.from_numpy(blocks.blocks)), "Q8"
+    else:
+        weight, kind = linear.Q6Weight(torch.from_numpy(blocks.q), torch.from_numpy(blocks.d)), "Q6"
+    projection = linear.Choice("int4", torch.float32, "cpu_ops").make(reference, None, weight)
+    assert type(projection).__name__ == f"{kind}Projection"
+    assert torch.equal(_identity_outputs(projection, WIDTH), reference)  # to the bit (±0 aside)
+    x = torch.randn(5, WIDTH)
+    torch.testing.assert_close(projection(x), x @ reference.T, atol=1e-4, rtol=1e-4)
+    for row in range(len(x)):  # each token alone gives the same row, to the bit
+        assert torch.equal(projection(x[row:row + 1])[0], projection(x)[row])
+
+
+def test_q4_k_sub_blocks_are_scale_and_min():
+    """Q4_K's (d·sc)·q − dmin·mn as int4's d'·q + m', with d' and m' rounded once to fp32 as gguf rounds them."""
+    raw = random_blocks(Type.Q4_K, 2, 256, np.random.default_rng(2))
+    blocks = kernel_blocks(raw, Type.Q4_K, 2)
+    d, dmin = (raw.reshape(2, 144)[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)
+               for offset in (0, 2))
+    sc, mn = quants.Q4_K.get_scale_min(raw.reshape(2, 144)[:, 4:16])
+    assert np.array_equal(blocks.d, d * sc.astype(np.float32))
+    assert np.array_equal(blocks.m, -(dmin * mn.astype(np.float32)))
+
+
+def test_a_type_without_kernel_or_inexact_blocks_is_refused():
+    rng = np.random.default_rng(3)
+    assert kernel_blocks(random_blocks(Type.Q5_K, ROWS, WIDTH, rng), Type.Q5_K, ROWS) is None
+    raw = random_blocks(Type.Q4_0, ROWS, WIDTH, rng)
+    raw.reshape(ROWS, -1, 18)[0, 0, :2] = np.array([np.inf], np.float16).view(np.uint8)  # d · q − 8d: inf − inf
+    assert kernel_blocks(raw, Type.Q4_0, ROWS) is None
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def gguf_model_dir(request, tmp_path_factory) -> Path:
+    """A tiny GGUF of every covered type, a qkv mixing Q4_K with Q6_K, a Q5_K down projection (and llama's
+    untied Q6_K head), converted."""
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"gguf-{arch}")
+    path = write_tiny_gguf(root / f"tiny-{arch}.gguf", arch, MIXED_TYPES,
+                           head=Type.Q6_K if arch == "llama" else None)
+    return convert_gguf(path, root / "converted")
+
+
+@pytest.fixture(scope="module")
+def dense_model(gguf_model_dir):
+    """The converted file as loaded: transformers' dequantization of it, plain fp32 modules."""
+    return registry.from_pretrained(gguf_model_dir, torch.float32, torch.device("cpu"))
+
+
+def test_projections_run_on_the_files_blocks(gguf_model_dir, dense_model, caplog):
+    with caplog.at_level(logging.WARNING, logger=weights_module.__name__):
+        model, description = load_model(EngineConfig(weight_format="int4"), gguf_model_dir, torch.device("cpu"))
+    assert description == "int4 (cpu_ops kernel, float32 activations)"
+    assert "GGUF type Q5_K: 1 tensors" in caplog.text
+    assert "1 fused projections (qkv, gate_up) mix GGUF types" in caplog.text
+    kinds = [[type(getattr(owner, name)).__name__ for owner, name in model._projections(i)] for i in range(2)]
+    # qkv, o, gate_up, down: layer 0 Q4_K, Q4_0, Q4_1, Q8_0; layer 1 Q4_K + Q6_K, Q5_0, Q6_K, Q5_K
+    assert kinds == [["Q4Projection", "Q4Projection", "Q4Projection", "Q8Projection"],
+                     ["Float16Projection", "Q8Projection", "Q6Projection", "Float16Projection"]]
+    # llama's untied Q6_K head, qwen3's tied Q8_0 embedding
+    assert type(model.lm_head).__name__ == ("Q8Projection" if model.arch.tie_word_embeddings else "Q6Projection")
+    assert not model.decodes_in_one_call  # some projections are not int4 blocks
+    pairs = [(model.lm_head, dense_model.head_weight())] + [
+        (getattr(owner, name), dense) for i in range(2)
+        for (owner, name), dense in zip(model._projections(i), dense_model.projection_weights(i))]
+    for projection, dense in pairs:
+        if not isinstance(projection, linear.Float16Projection):
+            # the file's numbers (the dense model is transformers' dequantization of them), to the bit
+            assert torch.equal(_identity_outputs(projection, dense.shape[1]), dense)
+    ids = list(range(100, 140))
+    ours, expected = prefill_logits(model, ids), prefill_logits(dense_model, ids)
+    assert (ours - expected).abs().max().item() < 1e-3  # the mixed qkv and Q5_K down as fp16
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def test_auto_may_pick_the_blocks_and_keeps_greedy_output(gguf_model_dir):
+    assert "int4" in {c.weight_format for c in linear.candidates("auto", None, has_blocks=True)}
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = {}
+    for weight_format in ("float32", "int4"):
+        engine = LLMEngine(EngineConfig(model_path=str(gguf_model_dir), weight_format=weight_format,
+                                        kv_cache_memory=16 << 20))
+        outputs[weight_format] = [r.token_ids() for r in generate(engine, prompts, greedy)]
+    assert outputs["int4"] == outputs["float32"]
