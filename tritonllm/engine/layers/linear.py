@@ -105,6 +105,14 @@ class Q6Weight:
 BlockWeight = Q4Weight | Q8Weight | Q6Weight
 
 
+@dataclass(frozen=True)
+class MixedWeight:
+    """A fused projection whose parts (runs of output rows) have blocks of different kinds, or some none."""
+
+    parts: tuple[BlockWeight | None, ...]
+    rows: tuple[int, ...]  # each part's output rows
+
+
 class Projection(nn.Module):
     """y = x @ W.T (+ bias) for one weight format and kernel; replaces an nn.Linear after loading."""
 
@@ -118,6 +126,11 @@ class Projection(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        """The projection as the CPU ops' llama_decode reads it: (kind of blocks, packed blocks, output rows) per
+        run of rows; None for one without blocks."""
+        return None
 
 
 class DenseProjection(Projection):
@@ -203,6 +216,9 @@ class Q4Projection(Projection):
         self.int8_activations = int8_activations
         self.packed = (cpu_ops.pack_q4_rows if int8_activations else cpu_ops.pack_q4)(weight.q, weight.d, weight.m)
 
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return None if self.bias is not None else [("int4", self.packed, self.rows)]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             return cpu_ops.q4_q8_matmul(x, self.packed, self.rows)
@@ -220,6 +236,9 @@ class Q8Projection(Projection):
         self.int8_activations = int8_activations
         self.packed = cpu_ops.pack_q8_rows(blocks) if int8_activations else blocks
 
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return None if self.bias is not None else [("q8_0", self.packed, self.rows)]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             return cpu_ops.q8_q8_matmul(x, self.packed, self.rows)
@@ -234,8 +253,26 @@ class Q6Projection(Projection):
         super().__init__(bias)
         self.packed = cpu_ops.pack_q6(weight.q, weight.d)
 
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return None if self.bias is not None else [("q6", self.packed, self.packed.shape[0])]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_ops.q6_matmul(x, self.packed)
+
+
+class PartsProjection(Projection):
+    """A fused projection run part by part, each in its own kernel, their outputs side by side."""
+
+    def __init__(self, parts: list[Projection]):
+        super().__init__(None)
+        self.parts = nn.ModuleList(parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        parts = [part.block_parts() for part in self.parts]
+        return None if any(p is None for p in parts) else [entry for p in parts for entry in p]
 
 
 @dataclass(frozen=True)
@@ -256,9 +293,13 @@ class Choice:
         return self.weight_format == "int4-q8"
 
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None,
-             blocks: BlockWeight | None = None) -> Projection:
+             blocks: BlockWeight | MixedWeight | None = None) -> Projection:
         """A projection of fp32 `weight` (or of its GGUF blocks, for int4 and int4-q8: without blocks a kernel
         runs, as float16 or bf16, the head's way)."""
+        if isinstance(blocks, MixedWeight) and self.blocks:
+            biases = [None] * len(blocks.rows) if bias is None else bias.split(blocks.rows)
+            return PartsProjection([self.make(part_weight, part_bias, part) for part_weight, part_bias, part
+                                    in zip(weight.split(blocks.rows), biases, blocks.parts)])
         if self.blocks and not (isinstance(blocks, Q4Weight) or self.kernel == "cpu_ops" and blocks is not None):
             return self._dense_beside_blocks(weight, bias)
         bias = None if bias is None else bias.to(self.dtype)

@@ -15,7 +15,7 @@ from torch import nn
 from tritonllm import kernels
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.engine.layers.attention import AttentionMetadata, paged_attention
-from tritonllm.engine.layers.linear import Choice, Q4Projection
+from tritonllm.engine.layers.linear import Choice
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.layers.moe import SparseMoeMLP
 from tritonllm.engine.layers.norm import RMSNorm
@@ -105,7 +105,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
-        # decode steps in one call of the CPU ops (set by use_weight_format): int4 weights, a plain dense decoder
+        # decode steps in one call of the CPU ops (set by use_weight_format): every projection in blocks, a plain dense
+        # decoder
         self.decodes_in_one_call = False
         self._decode_layers: tuple[int, object] | None = None  # (the KV caches' address, the ops' layer array)
 
@@ -142,8 +143,8 @@ class LlamaForCausalLM(nn.Module):
         if self._decode_layers is None or self._decode_layers[0] != caches_at:
             self._decode_layers = (caches_at, cpu_ops.decoder_layers([
                 {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight,
-                 "qkv": layer.self_attn.qkv_proj.packed, "o": layer.self_attn.o_proj.packed,
-                 "gate_up": layer.mlp.gate_up_proj.packed, "down": layer.mlp.down_proj.packed,
+                 "qkv": layer.self_attn.qkv_proj.block_parts(), "o": layer.self_attn.o_proj.block_parts(),
+                 "gate_up": layer.mlp.gate_up_proj.block_parts(), "down": layer.mlp.down_proj.block_parts(),
                  "k_cache": k_cache, "v_cache": v_cache}
                 for layer, (k_cache, v_cache) in zip(self.layers, kv_caches)]))
         arch = self.arch
@@ -193,9 +194,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = choice.make_head(self.head_weight(), blocks.head if blocks and choice.blocks else None)
         arch = self.arch
         self.int8_activations = choice.int8_activations  # what llama_decode's projections run with
-        every_int4 = all(isinstance(getattr(owner, name), Q4Projection)
-                         for index in range(len(self.layers)) for owner, name in self._projections(index))
-        self.decodes_in_one_call = (choice.kernel == "cpu_ops" and every_int4 and not arch.qk_norm
+        every_in_blocks = all(getattr(owner, name).block_parts() is not None
+                              for index in range(len(self.layers)) for owner, name in self._projections(index))
+        self.decodes_in_one_call = (choice.kernel == "cpu_ops" and every_in_blocks and not arch.qk_norm
                                     and not arch.attention_bias and not arch.mlp_bias and not arch.moe_layers)
 
     @classmethod

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from dataclasses import dataclass
 
-from tritonllm.engine.layers.linear import BlockWeight, Q4Weight, Q6Weight, Q8Weight
+from tritonllm.engine.layers.linear import BlockWeight, MixedWeight, Q4Weight, Q6Weight, Q8Weight
 from tritonllm.model_files import BLOCKS_FILE, UNCOVERED_METADATA
 from tritonllm.engine.models.architecture import ModelArchitecture
 
@@ -32,9 +32,10 @@ def checkpoint_state(model_dir: Path, arch: ModelArchitecture) -> dict[str, torc
 @dataclass(frozen=True)
 class GgufBlocks:
     """A converted GGUF's blocks that the kernels run: per layer, its fused projections' (as projection_weights
-    orders them; None for one whose parts are not all of one kind), and the LM head's (or the tied embedding's)."""
+    orders them; a MixedWeight for one whose parts differ in kind, None for one without blocks), and the LM head's
+    (or the tied embedding's)."""
 
-    layers: dict[int, list[BlockWeight | None]]
+    layers: dict[int, list[BlockWeight | MixedWeight | None]]
     head: BlockWeight | None
 
 
@@ -63,19 +64,29 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | N
 
         mixed = []  # fused projections whose parts have blocks of different kinds, or some none
 
-        def fused(parts: list[BlockWeight | None]) -> BlockWeight | None:
-            kind = type(parts[0])
-            if kind in (Q4Weight, Q8Weight, Q6Weight) and all(type(p) is kind for p in parts):
-                return kind.concat(parts)
-            mixed.extend([1] if any(p is not None for p in parts) else [])
-            return None
+        def fused(parts: list[BlockWeight | None], rows: list[int]) -> BlockWeight | MixedWeight | None:
+            """The parts' blocks as one, or as runs of one kind each (a run without blocks runs dense)."""
+            runs: list[tuple[list[BlockWeight | None], int]] = []
+            for part, part_rows in zip(parts, rows):
+                if runs and type(runs[-1][0][0]) is type(part):
+                    runs[-1] = (runs[-1][0] + [part], runs[-1][1] + part_rows)
+                else:
+                    runs.append(([part], part_rows))
+            joined = [None if run[0] is None else type(run[0]).concat(run) for run, _ in runs]
+            if len(runs) == 1:
+                return joined[0]
+            mixed.append(parts)
+            return MixedWeight(tuple(joined), tuple(part_rows for _, part_rows in runs))
 
-        layers = {i: [fused([part(f"{i}.self_attn.{p}_proj") for p in "qkv"]), fused([part(f"{i}.self_attn.o_proj")]),
-                      fused([part(f"{i}.mlp.{p}_proj") for p in ("gate", "up")]), fused([part(f"{i}.mlp.down_proj")])]
+        q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        layers = {i: [fused([part(f"{i}.self_attn.{p}_proj") for p in "qkv"], [q_rows, kv_rows, kv_rows]),
+                      fused([part(f"{i}.self_attn.o_proj")], [arch.hidden_size]),
+                      fused([part(f"{i}.mlp.{p}_proj") for p in ("gate", "up")], [arch.intermediate_size] * 2),
+                      fused([part(f"{i}.mlp.down_proj")], [arch.hidden_size])]
                   for i in range(arch.num_layers)}
         head = weight("model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight")
     if mixed:
-        log.warning("%d fused projections (qkv, gate_up) mix GGUF types: they run dequantized too", len(mixed))
+        log.info("%d fused projections (qkv, gate_up) mix kinds of blocks: they run part by part", len(mixed))
     has_blocks = head is not None or any(w is not None for ws in layers.values() for w in ws)
     return GgufBlocks(layers, head) if has_blocks else None
 

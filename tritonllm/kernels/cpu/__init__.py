@@ -332,20 +332,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ---- a whole decode forward ----
 
+BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6": 2}  # as llama_decode.c's enum: what a projection part's blocks are
+PROJECTION_PARTS = 3  # most parts of one fused projection (qkv)
+
+
+class ProjectionPart(ctypes.Structure):
+    _fields_ = [("blocks", ctypes.c_void_p), ("rows", ctypes.c_int64), ("kind", ctypes.c_int64)]
+
+
 class DecoderLayer(ctypes.Structure):
     """One layer's tensors as llama_decode.c reads them."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache")]
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("input_norm", "post_attention_norm")]
+                + [(name, ProjectionPart * PROJECTION_PARTS) for name in ("qkv", "o", "gate_up", "down")]
+                + [(name, ctypes.c_void_p) for name in ("k_cache", "v_cache")])
 
 
-def decoder_layers(layers: list[dict[str, torch.Tensor]]) -> ctypes.Array:
-    """Each layer's tensors (DecoderLayer's field names) as one array; the tensors must outlive it."""
+def decoder_layers(layers: list[dict[str, torch.Tensor | list[tuple[str, torch.Tensor, int]]]]) -> ctypes.Array:
+    """Each layer's tensors (DecoderLayer's field names; a projection as its parts: (BLOCK_KINDS name, packed
+    blocks, output rows) each, in output order) as one array; the tensors must outlive it."""
     array = (DecoderLayer * len(layers))()
     for entry, tensors in zip(array, layers):
-        for name, tensor in tensors.items():
-            assert tensor.is_contiguous(), name
-            setattr(entry, name, tensor.data_ptr())
+        for name, value in tensors.items():
+            if isinstance(value, torch.Tensor):
+                assert value.is_contiguous(), name
+                setattr(entry, name, value.data_ptr())
+                continue
+            assert 0 < len(value) <= PROJECTION_PARTS, name
+            for part, (kind, packed, rows) in zip(getattr(entry, name), value):
+                assert packed.is_contiguous(), name
+                part.blocks, part.rows, part.kind = packed.data_ptr(), rows, BLOCK_KINDS[kind]
     return array
 
 
@@ -356,7 +372,8 @@ def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_head
                  int8_activations: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a dense decoder over one-token queries: the embeddings [tokens, hidden] → (the last MLP's
     output, the residual stream before it), as the layers op by op would give them. half_cache: the layers' KV
-    caches are float16 (else float32); int8_activations: the projections are q4_q8_matmul's (else q4_matmul's)."""
+    caches are float16 (else float32); int8_activations: the int4 and Q8_0 parts are q4_q8_matmul's and
+    q8_q8_matmul's (else q4_matmul's and q8_matmul's)."""
     hidden = hidden.contiguous().clone()  # written in place
     residual = torch.empty_like(hidden)
     tables = _table(block_tables)

@@ -1,30 +1,63 @@
 #include "cpu_ops.h"
 
-/* ---- a whole decode forward of a dense Llama-style decoder over int4 weights: the ops above in the model's
+/* ---- a whole decode forward of a dense Llama-style decoder over quantized blocks: the ops above in the model's
  * order, one call for every layer (what Python would otherwise dispatch ~10 times a layer). The arithmetic is the
  * ops' own, so the results equal the op-by-op forward to the bit. ---- */
 
+enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_BLOCKS }; /* kernels/cpu/__init__.py's BLOCK_KINDS */
+
+/* A fused projection's run of output rows in one kind of blocks (a projection is up to 3, rows 0 ending them). */
 typedef struct {
-    const float *input_norm, *post_attention_norm; /* [hidden] */
-    const uint8_t *qkv, *o, *gate_up, *down;       /* Q4 blocks */
-    void *k_cache, *v_cache;                       /* [blocks][block_size][kv_heads][head_dim], float32 or 16 */
+    const uint8_t *blocks;
+    int64_t rows, kind;
+} ProjectionPart;
+
+typedef struct {
+    const float *input_norm, *post_attention_norm;             /* [hidden] */
+    ProjectionPart qkv[3], o[3], gate_up[3], down[3];
+    void *k_cache, *v_cache; /* [blocks][block_size][kv_heads][head_dim], float32 or 16 */
 } DecoderLayer;
+
+typedef void (*BlockMatmul)(const float *, int64_t, int64_t, const uint8_t *, int64_t, float *);
+
+static BlockMatmul block_matmul(int64_t kind, int64_t int8_activations) {
+    switch (kind) {
+    case INT4_BLOCKS: return int8_activations ? q4_q8_matmul : q4_matmul;
+    case Q8_0_BLOCKS: return int8_activations ? q8_q8_matmul : q8_matmul;
+    default: return q6_matmul; /* no int8-activation kernel: fp32 activations, as the op-by-op forward */
+    }
+}
+
+/* y [T][N] = x [T][K] through a projection's parts, each part's outputs side by side (through scratch [T][rows]
+ * when several tokens' rows interleave), as the op-by-op forward concatenates them. */
+static void project(const ProjectionPart *parts, const float *x, int64_t T, int64_t K, int64_t N, float *y,
+                    float *scratch, int64_t int8_activations) {
+    if (parts[0].rows == N) {
+        block_matmul(parts[0].kind, int8_activations)(x, T, K, parts[0].blocks, N, y);
+        return;
+    }
+    for (int64_t p = 0, offset = 0; p < 3 && parts[p].rows; offset += parts[p].rows, p++) {
+        const int64_t rows = parts[p].rows;
+        block_matmul(parts[p].kind, int8_activations)(x, T, K, parts[p].blocks, rows, scratch);
+        for (int64_t t = 0; t < T; t++) memcpy(y + t * N + offset, scratch + t * rows, (size_t)(rows * 4));
+    }
+}
 
 /* hidden: [T][hidden] the embeddings in, the last layer's MLP output out; residual: [T][hidden] out (their sum is
  * the decoder's output). cos, sin: [T][head_dim / 2]. half_cache: the layers' KV caches are float16.
- * int8_activations: the projections quantize their inputs (q4_q8_matmul), else fp32 (q4_matmul). */
+ * int8_activations: the int4 and Q8_0 projections quantize their inputs (q4_q8_matmul, q8_q8_matmul), else fp32. */
 void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int64_t hidden_size, int64_t heads,
                   int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps, float scale,
                   const float *cos, const float *sin, const int64_t *slot_mapping, int64_t block_size,
                   const int64_t *block_tables, int64_t table_stride, const int32_t *context_lens,
                   int64_t max_context, float *hidden, float *residual, int64_t half_cache,
                   int64_t int8_activations) {
-    void (*const matmul)(const float *, int64_t, int64_t, const uint8_t *, int64_t, float *) =
-        int8_activations ? q4_q8_matmul : q4_matmul;
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     float *normed = malloc((size_t)(T * hidden_size * 4)), *qkv = malloc((size_t)(T * qkv_width * 4));
     float *attention = malloc((size_t)(T * q_width * 4)), *gate_up = malloc((size_t)(T * 2 * intermediate * 4));
     float *activated = malloc((size_t)(T * intermediate * 4));
+    const int64_t widest = qkv_width > 2 * intermediate ? qkv_width : 2 * intermediate;
+    float *scratch = malloc((size_t)(T * (widest > hidden_size ? widest : hidden_size) * 4));
     for (int64_t l = 0; l < num_layers; l++) {
         const DecoderLayer *layer = layers + l;
         if (l == 0) { /* the embeddings are the first residual */
@@ -33,19 +66,20 @@ void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int
         } else {
             rms_norm(hidden, residual, layer->input_norm, T, hidden_size, eps, normed, residual);
         }
-        matmul(normed, T, hidden_size, layer->qkv, qkv_width, qkv);
+        project(layer->qkv, normed, T, hidden_size, qkv_width, qkv, scratch, int8_activations);
         rotary_embedding(qkv, qkv_width, heads, qkv + q_width, qkv_width, kv_heads, T, head_dim, cos, sin);
         store_kv_cache(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, T, kv_width, layer->k_cache,
                        layer->v_cache, slot_mapping, half_cache);
         paged_decode_attention(qkv, qkv_width, T, heads, head_dim, layer->k_cache, layer->v_cache, block_size,
                                kv_heads, block_tables, table_stride, context_lens, max_context, scale, attention,
                                half_cache);
-        matmul(attention, T, q_width, layer->o, hidden_size, hidden);
+        project(layer->o, attention, T, q_width, hidden_size, hidden, scratch, int8_activations);
         rms_norm(hidden, residual, layer->post_attention_norm, T, hidden_size, eps, normed, residual);
-        matmul(normed, T, hidden_size, layer->gate_up, 2 * intermediate, gate_up);
+        project(layer->gate_up, normed, T, hidden_size, 2 * intermediate, gate_up, scratch, int8_activations);
         silu_and_mul(gate_up, T, intermediate, activated);
-        matmul(activated, T, intermediate, layer->down, hidden_size, hidden);
+        project(layer->down, activated, T, intermediate, hidden_size, hidden, scratch, int8_activations);
     }
+    free(scratch);
     free(activated);
     free(gate_up);
     free(attention);
