@@ -19,10 +19,12 @@ checkpoint:
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
 auto considers only what keeps float32's greedy output on the accuracy test set (tests/test_weight_formats.py).
-With int4 the LM head (the tied embedding, a Q8_0 tensor in the GGUF) runs as its Q8_0 blocks through the CPU
-ops (exact: found by re-blocking the weight and checking it comes back to the bit), else as float16 (fp32
-activations) or bf16 (bf16 activations); int4-q8 runs that Q8_0 head with int8 activations too; with float16 and
-int8 it is in the same format as the projections. Every format computes each token's row on its own (per-token
+With int4 the LM head (or the tied embedding) runs on the GGUF's blocks of it through the CPU ops where the
+kernels cover its type (a Q4_K_M file's Q6_K head, a Q8_0 one; an older conversion's Q8_0 head is found by
+re-blocking the weight and checking it comes back to the bit), else as float16 (fp32 activations) or bf16 (bf16
+activations); int4-q8 runs a Q8_0 head with int8 activations too; with float16 and int8 it is in the same format
+as the projections. A fused projection whose parts differ in kind (a Q4_K_M qkv: q, k Q4_K, v Q6_K) runs part by
+part. Every format computes each token's row on its own (per-token
 quantization, no batch-wide scales), so a request's output does not depend on what it is batched with."""
 
 from __future__ import annotations
