@@ -107,7 +107,7 @@ def test_int4_computes_with_the_ggufs_own_q4_1_weights(default_model_dir):
     model = registry.from_pretrained(default_model_dir, torch.float32, torch.device("cpu"))  # as loaded
     blocks = read_gguf_blocks(default_model_dir, model.arch)
     assert blocks is not None  # the default model is a Q4_1 GGUF: prepare kept its blocks
-    qkv = blocks[0][0]
+    qkv = blocks.layers[0][0]
     dequantized = qkv.d.float().repeat_interleave(32, 1) * qkv.q + qkv.m.float().repeat_interleave(32, 1)
     assert torch.equal(dequantized, model.projection_weights(0)[0])  # the dense checkpoint is those numbers
     x = torch.randn(3, dequantized.shape[1])
