@@ -169,3 +169,69 @@ def test_a_prefix_computed_twice_at_once_stays_keyed_to_the_first_block():
     assert manager.ensure_slots(fresh, 12) and copy in fresh.block_table and original not in fresh.block_table
     reader = make_sequence(prompt)
     assert manager.allocate_cached_prefix(reader) == 4 and reader.block_table == [original]
+
+
+_KEYS_OF_A_SALTED_ADAPTER_PROMPT = """
+from tritonllm.engine.core.block_manager import BlockManager
+from tritonllm.interface.parameters import SamplingParams
+from core_fakes import adapter, distinct_prompt, make_sequence
+manager = BlockManager(num_blocks=8, block_size=4, model=b"m")
+seq = make_sequence(distinct_prompt(9, start=100), SamplingParams(cache_salt="s"), lora=adapter("x"))
+manager.allocate_cached_prefix(seq)
+manager.ensure_slots(seq, 9)
+seq.num_computed_tokens = 9
+manager.cache_full_blocks(seq)
+print(",".join(key.hex() for key in seq.full_block_keys))
+"""
+
+
+def test_keys_are_the_same_in_every_process():
+    """A key names a block in host memory or a file another process wrote: no per-process hash seed in it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    keys = [subprocess.run([sys.executable, "-c", _KEYS_OF_A_SALTED_ADAPTER_PROMPT], check=True, text=True,
+                           capture_output=True, cwd=tests,
+                           env={**os.environ, "PYTHONHASHSEED": seed,
+                                "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"}).stdout.strip()
+            for seed in ("1", "2")]
+    assert keys[0] == keys[1] and len(keys[0].split(",")) == 2
+
+
+def test_keys_are_rooted_in_the_model_and_the_adapter_files():
+    prompt = distinct_prompt(9, start=100)
+    keys = {}
+    for model, files in ((b"a", b""), (b"b", b""), (b"a", b"other weights")):
+        manager = BlockManager(num_blocks=8, block_size=BLOCK, model=model)
+        seq = make_sequence(prompt, lora=adapter("x", files=files))
+        computed(manager, seq)
+        keys[model, files] = seq.full_block_keys
+    assert len({tuple(k) for k in keys.values()}) == 3  # another model, or the adapter's files changed
+
+
+def test_a_model_directory_digest_follows_content_not_place_or_time(tmp_path):
+    import os
+    import shutil
+
+    from tritonllm.engine.core.prefix_keys import files_digest
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    weights = bytearray(os.urandom(3 << 20))  # large: sampled at both ends
+    (model / "model.safetensors").write_bytes(weights)
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    os.utime(copy / "model.safetensors", (1, 1))
+    assert files_digest(model) == files_digest(copy)
+    changed = bytearray(weights)
+    changed[-1] ^= 1  # retrained weights of the same size
+    (copy / "model.safetensors").write_bytes(changed)
+    assert files_digest(model) != files_digest(copy)
+    (copy / "model.safetensors").write_bytes(weights)
+    assert files_digest(model) == files_digest(copy)
+    (copy / "config.json").write_text('{"hidden_size": 9}')
+    assert files_digest(model) != files_digest(copy)

@@ -1,26 +1,28 @@
 """The paged KV block pool: allocation, reference counts and the automatic prefix cache.
 
 A full block is keyed by a hash chain (parent block's key + its own tokens), so equal keys mean equal prefixes.
-The chain of a sequence run with a LoRA adapter or a cache_salt starts from them: adapters never share KV, and
-requests share prefixes only with requests of the same salt.
+The chain starts from the model's identity, the sequence's LoRA adapter and its cache_salt (prefix_keys.py):
+adapters never share KV, and requests share prefixes only with requests of the same salt.
 Freed blocks that hold a cached prefix stay findable until they are reused (LRU order)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from tritonllm.engine.core.prefix_keys import block_key, root_key
 from tritonllm.engine.core.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model: bytes = b""):
+        self.model = model  # the model's identity (prefix_keys.model_key): the root of every key
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_keys: list[int | None] = [None] * num_blocks
+        self.block_keys: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.key_to_block: dict[int, int] = {}
+        self.key_to_block: dict[bytes, int] = {}
         # free blocks, least recently used first: reuse takes from the front
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_queries = 0  # prompt tokens looked up in the cache
@@ -33,14 +35,10 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_key(self, parent_key: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent_key, tokens))
-
-    def _root_key(self, seq: Sequence) -> int | None:
-        """The parent key of a sequence's first block: None for the base model without a salt, else from its
-        adapter and salt."""
-        salt = seq.prefix_cache_salt
-        return None if salt is None else hash(("salt", salt))
+    def _root_key(self, seq: Sequence) -> bytes:
+        """The parent key of a sequence's first block: the model, the sequence's adapter and its salt."""
+        lora = seq.request.lora
+        return root_key(self.model, None if lora is None else (lora.name, lora.files), seq.params.cache_salt)
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
@@ -68,7 +66,7 @@ class BlockManager:
         parent_key = self._root_key(seq)
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            key = self._block_key(parent_key, tokens)
+            key = block_key(parent_key, tokens)
             block = self.key_to_block.get(key)
             if block is None or self.block_tokens[block] != tokens:
                 break
@@ -98,7 +96,7 @@ class BlockManager:
         for i in range(len(seq.full_block_keys), seq.num_computed_tokens // self.block_size):
             parent_key = seq.full_block_keys[-1] if seq.full_block_keys else self._root_key(seq)
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            key = self._block_key(parent_key, tokens)
+            key = block_key(parent_key, tokens)
             block = seq.block_table[i]
             if key not in self.key_to_block:
                 self.key_to_block[key] = block

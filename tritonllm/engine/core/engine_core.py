@@ -19,6 +19,7 @@ from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.core.block_manager import BlockManager
 from tritonllm.engine.core.core_messages import AbortAll, AbortRequest, AddRequest, CoreMessage
 from tritonllm.engine.core.model_runner import ModelRunner, PromptHiddenStates, PromptLogits
+from tritonllm.engine.core.prefix_keys import files_digest, model_key
 from tritonllm.engine.core.sampler import Sampler, score
 from tritonllm.engine.core.scheduler import ScheduledSequence, Scheduler
 from tritonllm.engine.core.sequence import CoreOutput, CoreRequest, SampledToken, Sequence, SequenceUpdate
@@ -79,7 +80,11 @@ class EngineCore:
             name=model_dir.name, vocab_size=arch.vocab_size, max_model_len=max_model_len,
             capacity=min(max_model_len, self.runner.num_blocks * config.block_size), is_moe=arch.is_moe, arch=arch)
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        model = model_key(files_digest(model_dir), model_class=type(self.runner.model).__name__, arch=arch,
+                          weights=self.runner.weight_format, activations=self.runner.dtype,
+                          kv_dtype=self.runner.kv_dtype, block_size=config.block_size, device=self.runner.device.type)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          model)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.lora_slots, config.scheduling_policy)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)

@@ -70,7 +70,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.full_block_keys: list[int] = []  # prefix-cache key of each full block, in order
+        self.full_block_keys: list[bytes] = []  # prefix-cache key of each full block, in order
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache at first admission
         self.generator = generator
@@ -124,13 +124,6 @@ class Sequence:
     def needs_prompt_hidden_states(self) -> bool:
         """Like needs_prompt_logprobs, for the prompt's hidden states."""
         return self.params.return_prompt_hidden_states and self.num_prompt_hidden_states < self.num_prompt_tokens
-
-    @property
-    def prefix_cache_salt(self) -> tuple[str | None, str | None] | None:
-        """KV computed under one adapter is not valid for another (or the base model), and a request's cache_salt
-        keeps its prefixes from requests with another salt (or none): the cache keys differ."""
-        adapter = None if self.request.lora is None else self.request.lora.name
-        return None if adapter is None and self.params.cache_salt is None else (adapter, self.params.cache_salt)
 
 
 @dataclass
