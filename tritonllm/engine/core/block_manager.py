@@ -3,19 +3,23 @@
 A full block is keyed by a hash chain (parent block's key + its own tokens), so equal keys mean equal prefixes.
 The chain starts from the model's identity, the sequence's LoRA adapter and its cache_salt (prefix_keys.py):
 adapters never share KV, and requests share prefixes only with requests of the same salt.
-Freed blocks that hold a cached prefix stay findable until they are reused (LRU order)."""
+Freed blocks that hold a cached prefix stay findable until they are reused (LRU order); with a host tier
+(kv_tiers.py) a reused block's K/V move there first, and a prefix match goes on from the device pool into it."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from tritonllm.engine.core.kv_tiers import HostTier
 from tritonllm.engine.core.prefix_keys import block_key, root_key
-from tritonllm.engine.core.sequence import Sequence
+from tritonllm.engine.core.sequence import CachedTokens, Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model: bytes = b""):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model: bytes = b"",
+                 host: HostTier | None = None):
         self.model = model  # the model's identity (prefix_keys.model_key): the root of every key
+        self.host = host if enable_prefix_caching else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -26,7 +30,7 @@ class BlockManager:
         # free blocks, least recently used first: reuse takes from the front
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_queries = 0  # prompt tokens looked up in the cache
-        self.prefix_hits = 0  # prompt tokens found there
+        self.prefix_hits = CachedTokens()  # prompt tokens found there, by tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -43,7 +47,9 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         key = self.block_keys[block]
-        if key is not None:  # evict its cached prefix
+        if key is not None:  # evict its cached prefix (to the host tier, if there is one)
+            if self.host is not None:
+                self.host.put(key, self.block_tokens[block], block)
             del self.key_to_block[key]
             self.block_keys[block] = None
             self.block_tokens[block] = None
@@ -55,29 +61,62 @@ class BlockManager:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
-    def allocate_cached_prefix(self, seq: Sequence) -> int:
-        """Give a new sequence the cached blocks of its longest cached prefix; returns the tokens they hold.
+    def allocate_cached_prefix(self, seq: Sequence) -> CachedTokens:
+        """Give a new sequence the cached blocks of its longest cached prefix, copying the ones found in a lower
+        tier into device blocks; returns the tokens they hold, by tier.
 
         The last token is always left to compute, since its logits are needed to sample."""
         assert not seq.block_table
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
-            return 0
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent_key = self._root_key(seq)
-        for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            key = block_key(parent_key, tokens)
+            return CachedTokens()
+        chain = self._prompt_chain(seq, (seq.num_tokens - 1) // self.block_size)
+        device = host = 0
+        for key, tokens in chain:
             block = self.key_to_block.get(key)
             if block is None or self.block_tokens[block] != tokens:
                 break
             self._reuse(block)
-            seq.block_table.append(block)
-            seq.full_block_keys.append(key)
-            parent_key = key
-        cached = len(seq.block_table) * self.block_size
+            self._append(seq, key, block)
+            device += 1
+        for key, tokens in chain[device:]:
+            if self.host is None or not self.host.touch(key) or not self.free_blocks:
+                break
+            block = self._take_free_block()  # (may move another block to the host tier, over its oldest)
+            if not self.host.load(key, tokens, block):
+                self._give_back(block)
+                break
+            self._register(key, tokens, block)
+            self._append(seq, key, block)
+            host += 1
+        cached = CachedTokens(device * self.block_size, host * self.block_size)
         self.prefix_queries += seq.num_prompt_tokens
-        self.prefix_hits += min(cached, seq.num_prompt_tokens)
+        self.prefix_hits += cached.within(seq.num_prompt_tokens)
         return cached
+
+    def _prompt_chain(self, seq: Sequence, num_blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, tokens) of the sequence's first num_blocks full blocks."""
+        chain, parent_key = [], self._root_key(seq)
+        for i in range(num_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent_key = block_key(parent_key, tokens)
+            chain.append((parent_key, tokens))
+        return chain
+
+    @staticmethod
+    def _append(seq: Sequence, key: bytes, block: int) -> None:
+        seq.block_table.append(block)
+        seq.full_block_keys.append(key)
+
+    def _register(self, key: bytes, tokens: tuple[int, ...], block: int) -> None:
+        self.key_to_block[key] = block
+        self.block_keys[block] = key
+        self.block_tokens[block] = tokens
+
+    def _give_back(self, block: int) -> None:
+        """Return a block taken but not used: it holds nothing, so it is reused first."""
+        self.ref_counts[block] = 0
+        self.free_blocks[block] = None
+        self.free_blocks.move_to_end(block, last=False)
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold num_tokens; False (and no change) when the pool is too small."""
@@ -99,9 +138,7 @@ class BlockManager:
             key = block_key(parent_key, tokens)
             block = seq.block_table[i]
             if key not in self.key_to_block:
-                self.key_to_block[key] = block
-                self.block_keys[block] = key
-                self.block_tokens[block] = tokens
+                self._register(key, tokens, block)
             seq.full_block_keys.append(key)
 
     def free(self, seq: Sequence) -> None:

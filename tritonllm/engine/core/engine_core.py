@@ -18,6 +18,7 @@ import torch
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.core.block_manager import BlockManager
 from tritonllm.engine.core.core_messages import AbortAll, AbortRequest, AddRequest, CoreMessage
+from tritonllm.engine.core.kv_tiers import DeviceBlocks, HostTier, host_tier_bytes
 from tritonllm.engine.core.model_runner import ModelRunner, PromptHiddenStates, PromptLogits
 from tritonllm.engine.core.prefix_keys import files_digest, model_key
 from tritonllm.engine.core.sampler import Sampler, score
@@ -83,8 +84,10 @@ class EngineCore:
         model = model_key(files_digest(model_dir), model_class=type(self.runner.model).__name__, arch=arch,
                           weights=self.runner.weight_format, activations=self.runner.dtype,
                           kv_dtype=self.runner.kv_dtype, block_size=config.block_size, device=self.runner.device.type)
+        blocks = DeviceBlocks(self.runner.kv_caches)
+        host_bytes = host_tier_bytes(config.kv_host_memory, self.runner.device, config.kv_cache_memory)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          model)
+                                          model, HostTier(host_bytes, blocks) if host_bytes else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.lora_slots, config.scheduling_policy)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)
@@ -315,10 +318,11 @@ class EngineCore:
             prompt_hidden_states = torch.cat(first.prompt_hidden_states)
             request.prompt_hidden_states_sent = True
         if updates or finished or prompt_logprobs is not None:
+            cached = min((seq.cached_tokens for seq in request.sequences), key=lambda tokens: tokens.total)
             outputs.append(CoreOutput(
-                request.request_id, updates, len(request.prompt_token_ids),
-                min(seq.num_cached_tokens for seq in request.sequences), finished,
-                prompt_logprobs=prompt_logprobs, prompt_hidden_states=prompt_hidden_states, times=request.times()))
+                request.request_id, updates, len(request.prompt_token_ids), cached.total, finished,
+                prompt_logprobs=prompt_logprobs, prompt_hidden_states=prompt_hidden_states, times=request.times(),
+                cached_by_tier=cached.by_tier()))
         if finished:
             del self._requests[request.request_id]
 
@@ -329,7 +333,7 @@ class EngineCore:
             waiting=self.num_waiting_requests(),
             free_blocks=bm.num_free_blocks,
             total_blocks=bm.num_blocks,
-            prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            prefix_cache_hit_rate=bm.prefix_hits.total / bm.prefix_queries if bm.prefix_queries else 0.0,
             max_model_len=self.limits.capacity,
             prompt_tokens=self.num_prompt_tokens,
             generated_tokens=self.num_generated_tokens,
