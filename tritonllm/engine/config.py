@@ -71,6 +71,12 @@ class EngineConfig:
         AUTO, "bytes of host memory for the KV cache's host tier: full blocks the KV cache evicts are kept there "
               "(least recently used out) and copied back on a prefix hit; 0: off; auto: off on the CPU (the KV cache "
               "is host memory already), 2 x kv_cache_memory of pinned memory on CUDA", parse=parse_size_or_auto)
+    kv_storage_dir: str = setting(
+        "", "directory of the KV cache's storage tier: every computed block is written there (one file a block, off "
+            "the engine's thread) and found again after the device and host tiers evicted it, after a restart, and "
+            "by the other stacks sharing the directory; empty: off")
+    kv_storage_size: int = setting(16 << 30, "bytes the storage tier's files may take (least recently used out)",
+                                   parse=parse_size)
     block_size: int = setting(16, "tokens per KV cache block")
     max_num_seqs: int = setting(64, "sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")

@@ -4,22 +4,24 @@ A full block is keyed by a hash chain (parent block's key + its own tokens), so 
 The chain starts from the model's identity, the sequence's LoRA adapter and its cache_salt (prefix_keys.py):
 adapters never share KV, and requests share prefixes only with requests of the same salt.
 Freed blocks that hold a cached prefix stay findable until they are reused (LRU order); with a host tier
-(kv_tiers.py) a reused block's K/V move there first, and a prefix match goes on from the device pool into it."""
+(kv_tiers.py) a reused block's K/V move there first; with a storage tier every newly computed block is offered to
+it. A prefix match goes on from the device pool into the host tier, then into storage."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from tritonllm.engine.core.kv_tiers import HostTier
+from tritonllm.engine.core.kv_tiers import HostTier, StorageTier
 from tritonllm.engine.core.prefix_keys import block_key, root_key
 from tritonllm.engine.core.sequence import CachedTokens, Sequence
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model: bytes = b"",
-                 host: HostTier | None = None):
+                 host: HostTier | None = None, storage: StorageTier | None = None):
         self.model = model  # the model's identity (prefix_keys.model_key): the root of every key
         self.host = host if enable_prefix_caching else None
+        self.storage = storage if enable_prefix_caching else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -69,7 +71,7 @@ class BlockManager:
         assert not seq.block_table
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
             return CachedTokens()
-        chain = self._prompt_chain(seq, (seq.num_tokens - 1) // self.block_size)
+        chain = self.chain(seq, (seq.num_tokens - 1) // self.block_size)
         device = host = 0
         for key, tokens in chain:
             block = self.key_to_block.get(key)
@@ -79,21 +81,28 @@ class BlockManager:
             self._append(seq, key, block)
             device += 1
         for key, tokens in chain[device:]:
-            if self.host is None or not self.host.touch(key) or not self.free_blocks:
+            if self.host is None or not self.free_blocks or (kv := self.host.take(key, tokens)) is None:
                 break
-            block = self._take_free_block()  # (may move another block to the host tier, over its oldest)
-            if not self.host.load(key, tokens, block):
-                self._give_back(block)
-                break
+            block = self._take_free_block()  # (may move another block to the host tier)
+            self.host.blocks.write(block, kv)
             self._register(key, tokens, block)
             self._append(seq, key, block)
             host += 1
-        cached = CachedTokens(device * self.block_size, host * self.block_size)
+        storage = 0
+        start = device + host
+        if self.storage is not None and start < len(chain) and self.free_blocks:
+            for (key, tokens), kv in zip(chain[start:], self.storage.read_run(chain[start:][:len(self.free_blocks)])):
+                block = self._take_free_block()
+                self.storage.blocks.write(block, kv)
+                self._register(key, tokens, block)
+                self._append(seq, key, block)
+                storage += 1
+        cached = CachedTokens(device * self.block_size, host * self.block_size, storage * self.block_size)
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += cached.within(seq.num_prompt_tokens)
         return cached
 
-    def _prompt_chain(self, seq: Sequence, num_blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
+    def chain(self, seq: Sequence, num_blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
         """(key, tokens) of the sequence's first num_blocks full blocks."""
         chain, parent_key = [], self._root_key(seq)
         for i in range(num_blocks):
@@ -111,12 +120,6 @@ class BlockManager:
         self.key_to_block[key] = block
         self.block_keys[block] = key
         self.block_tokens[block] = tokens
-
-    def _give_back(self, block: int) -> None:
-        """Return a block taken but not used: it holds nothing, so it is reused first."""
-        self.ref_counts[block] = 0
-        self.free_blocks[block] = None
-        self.free_blocks.move_to_end(block, last=False)
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold num_tokens; False (and no change) when the pool is too small."""
@@ -139,6 +142,8 @@ class BlockManager:
             block = seq.block_table[i]
             if key not in self.key_to_block:
                 self._register(key, tokens, block)
+                if self.storage is not None:
+                    self.storage.offer(key, tokens, block)
             seq.full_block_keys.append(key)
 
     def free(self, seq: Sequence) -> None:

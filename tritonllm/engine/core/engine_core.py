@@ -18,7 +18,7 @@ import torch
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.core.block_manager import BlockManager
 from tritonllm.engine.core.core_messages import AbortAll, AbortRequest, AddRequest, CoreMessage
-from tritonllm.engine.core.kv_tiers import DeviceBlocks, HostTier, host_tier_bytes
+from tritonllm.engine.core.kv_tiers import DeviceBlocks, HostTier, StorageTier, host_tier_bytes
 from tritonllm.engine.core.model_runner import ModelRunner, PromptHiddenStates, PromptLogits
 from tritonllm.engine.core.prefix_keys import files_digest, model_key
 from tritonllm.engine.core.sampler import Sampler, score
@@ -29,6 +29,8 @@ from tritonllm.interface.errors import InvalidRequest
 from tritonllm.interface.tensors import FinishReason
 
 log = logging.getLogger(__name__)
+
+STORAGE_FLUSH_SECONDS = 3.0  # how long shutting down waits for the storage tier's queued writes
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,10 @@ class EngineCore:
                           kv_dtype=self.runner.kv_dtype, block_size=config.block_size, device=self.runner.device.type)
         blocks = DeviceBlocks(self.runner.kv_caches)
         host_bytes = host_tier_bytes(config.kv_host_memory, self.runner.device, config.kv_cache_memory)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          model, HostTier(host_bytes, blocks) if host_bytes else None)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, model,
+            HostTier(host_bytes, blocks) if host_bytes else None,
+            StorageTier(config.kv_storage_dir, config.kv_storage_size, model, blocks) if config.kv_storage_dir else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.lora_slots, config.scheduling_policy)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)
@@ -341,6 +345,13 @@ class EngineCore:
             loaded_loras=() if self.runner.lora_slots is None else tuple(self.runner.lora_slots.loaded_names()),
             unfinished_requests=len(self._requests) + len(self._ready_outputs),
         )
+
+    def close(self) -> None:
+        """Let the storage tier's queued writes land (for a few seconds at most), then stop its threads."""
+        storage = self.block_manager.storage
+        if storage is not None:
+            storage.wait_for_writes(STORAGE_FLUSH_SECONDS)
+            storage.close()
 
     def num_waiting_requests(self) -> int:
         """Requests not running yet: compiling their grammar or waiting for admission."""
