@@ -20,8 +20,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model: bytes = b"",
                  host: HostTier | None = None, storage: StorageTier | None = None):
         self.model = model  # the model's identity (prefix_keys.model_key): the root of every key
-        self.host = host if enable_prefix_caching else None
-        self.storage = storage if enable_prefix_caching else None
+        self.host = host
+        self.storage = storage
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

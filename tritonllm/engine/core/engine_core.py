@@ -54,6 +54,7 @@ class EngineStats:
     free_blocks: int
     total_blocks: int
     prefix_cache_hit_rate: float
+    prefix_cache_hits: tuple[int, int, int]  # prompt tokens served by each tier (CACHE_TIERS), since start
     max_model_len: int  # tokens one request may hold (prompt + output): the capacity of ModelLimits
     prompt_tokens: int  # counters since start
     generated_tokens: int
@@ -87,11 +88,13 @@ class EngineCore:
                           weights=self.runner.weight_format, activations=self.runner.dtype,
                           kv_dtype=self.runner.kv_dtype, block_size=config.block_size, device=self.runner.device.type)
         blocks = DeviceBlocks(self.runner.kv_caches)
-        host_bytes = host_tier_bytes(config.kv_host_memory, self.runner.device, config.kv_cache_memory)
+        tiered = config.enable_prefix_caching  # (the tiers hold cached prefixes)
+        host_bytes = host_tier_bytes(config.kv_host_memory, self.runner.device, config.kv_cache_memory) if tiered else 0
+        storage = config.kv_storage_dir if tiered else ""
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching, model,
             HostTier(host_bytes, blocks) if host_bytes else None,
-            StorageTier(config.kv_storage_dir, config.kv_storage_size, model, blocks) if config.kv_storage_dir else None)
+            StorageTier(storage, config.kv_storage_size, model, blocks) if storage else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.lora_slots, config.scheduling_policy)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)
@@ -338,6 +341,7 @@ class EngineCore:
             free_blocks=bm.num_free_blocks,
             total_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_hits.total / bm.prefix_queries if bm.prefix_queries else 0.0,
+            prefix_cache_hits=bm.prefix_hits.by_tier(),
             max_model_len=self.limits.capacity,
             prompt_tokens=self.num_prompt_tokens,
             generated_tokens=self.num_generated_tokens,
