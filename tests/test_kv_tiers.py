@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.block_manager import BlockManager
 from tritonllm.engine.core import kv_tiers
 from tritonllm.engine.core.kv_tiers import DeviceBlocks, StorageTier, block_path, encode_block
 from tritonllm.engine.core.prefix_keys import block_key, model_key, root_key
 from tritonllm.engine.layers import linear
 from tritonllm.engine.llm_engine import LLMEngine, Request
 from tritonllm.interface.parameters import SamplingParams
+from core_fakes import distinct_prompt, make_sequence
 from engine_helpers import Result, assert_idle, generate
 from tiny_models import tiny_config, write_tiny_model
 
@@ -212,6 +214,29 @@ def test_storage_is_bounded_in_bytes_least_recently_used_out(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*/*.kv")) == sorted(
         block_path(tmp_path, chain[i][0]).name for i in (0, 3, 4))
     storage.close()
+
+
+def test_a_lower_tier_run_takes_the_device_pools_block_where_it_still_holds_one(tmp_path):
+    """The prompt's first block left the device pool, its second did not: storage gives the first, the device pool
+    the second (registering storage's copy of it too would leave two blocks under one key)."""
+    blocks = device_pool(4)
+    manager = BlockManager(4, 4, model=MODEL, storage=StorageTier(tmp_path, 1 << 30, MODEL, blocks))
+    prompt = distinct_prompt(9, start=100)
+    first = make_sequence(prompt)
+    manager.allocate_cached_prefix(first)
+    assert manager.ensure_slots(first, 9)
+    first.num_computed_tokens = 9
+    manager.cache_full_blocks(first)
+    assert manager.storage.wait_for_writes(10.0)
+    first_block, second_block = first.block_table[:2]
+    manager.free(first)
+    manager.free_blocks.move_to_end(first_block, last=False)  # the least recently used: the next one reused
+    assert manager.ensure_slots(make_sequence(distinct_prompt(4, start=500)), 4)  # takes the first block
+    again = make_sequence(prompt)
+    assert manager.allocate_cached_prefix(again).by_tier() == (4, 0, 4)
+    assert again.block_table[1] == second_block
+    assert all(manager.key_to_block[key] == block for block, key in enumerate(manager.block_keys) if key is not None)
+    assert len(manager.key_to_block) == 2
 
 
 # --- the storage tier in the engine ---

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from tritonllm.engine.core.kv_tiers import HostTier, StorageTier
 from tritonllm.engine.core.prefix_keys import block_key, root_key
 from tritonllm.engine.core.sequence import CachedTokens, Sequence
@@ -72,31 +74,25 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
             return CachedTokens()
         chain = self.chain(seq, (seq.num_tokens - 1) // self.block_size)
-        device = host = 0
+        device = host = storage = 0
         for key, tokens in chain:
-            block = self.key_to_block.get(key)
-            if block is None or self.block_tokens[block] != tokens:
+            if self._reuse_cached(seq, key, tokens):
+                device += 1
+            elif self.host is not None and self.free_blocks and (kv := self.host.take(key, tokens)) is not None:
+                self._load(seq, key, tokens, kv, self.host)
+                host += 1
+            else:
                 break
-            self._reuse(block)
-            self._append(seq, key, block)
-            device += 1
-        for key, tokens in chain[device:]:
-            if self.host is None or not self.free_blocks or (kv := self.host.take(key, tokens)) is None:
-                break
-            block = self._take_free_block()  # (may move another block to the host tier)
-            self.host.blocks.write(block, kv)
-            self._register(key, tokens, block)
-            self._append(seq, key, block)
-            host += 1
-        storage = 0
-        start = device + host
-        if self.storage is not None and start < len(chain) and self.free_blocks:
-            for (key, tokens), kv in zip(chain[start:], self.storage.read_run(chain[start:][:len(self.free_blocks)])):
-                block = self._take_free_block()
-                self.storage.blocks.write(block, kv)
-                self._register(key, tokens, block)
-                self._append(seq, key, block)
-                storage += 1
+        rest = chain[device + host:]
+        if self.storage is not None and rest and self.free_blocks:
+            for (key, tokens), kv in zip(rest, self.storage.read_run(rest[:len(self.free_blocks)])):
+                if self._reuse_cached(seq, key, tokens):
+                    device += 1
+                elif self.free_blocks:
+                    self._load(seq, key, tokens, kv, self.storage)
+                    storage += 1
+                else:
+                    break
         cached = CachedTokens(device * self.block_size, host * self.block_size, storage * self.block_size)
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += cached.within(seq.num_prompt_tokens)
@@ -110,6 +106,23 @@ class BlockManager:
             parent_key = block_key(parent_key, tokens)
             chain.append((parent_key, tokens))
         return chain
+
+    def _reuse_cached(self, seq: Sequence, key: bytes, tokens: tuple[int, ...]) -> bool:
+        """Give the sequence the device pool's block of `key`, if the pool holds it."""
+        block = self.key_to_block.get(key)
+        if block is None or self.block_tokens[block] != tokens:
+            return False
+        self._reuse(block)
+        self._append(seq, key, block)
+        return True
+
+    def _load(self, seq: Sequence, key: bytes, tokens: tuple[int, ...], kv: torch.Tensor,
+              tier: HostTier | StorageTier) -> None:
+        """Give the sequence a free block holding `kv`, the K/V of `key` that a lower tier held."""
+        block = self._take_free_block()  # (may move another block to the host tier)
+        tier.blocks.write(block, kv)
+        self._register(key, tokens, block)
+        self._append(seq, key, block)
 
     @staticmethod
     def _append(seq: Sequence, key: bytes, block: int) -> None:
