@@ -46,20 +46,20 @@ def ask(engine: LLMEngine, prompt: list[int]) -> tuple[float, int, tuple[int, in
     return first, last.num_cached_tokens, last.cached_by_tier, tokens
 
 
-def engine_of(model_dir: Path, args, **tiers) -> LLMEngine:
+def engine_of(model_dir: Path, args, kv_cache_memory: int, **tiers) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=str(model_dir), weight_format=args.weight_format,
-                                  kv_cache_memory=args.kv_cache_memory, **tiers))
+                                  kv_cache_memory=kv_cache_memory, **tiers))
 
 
 def long_prompt(model_dir: Path, args, storage: Path) -> None:
-    engine = engine_of(model_dir, args, kv_storage_dir=str(storage))
+    engine = engine_of(model_dir, args, args.long_kv_cache_memory, kv_storage_dir=str(storage))
     vocab = engine.vocab_size
     prompt = [(7919 * i) % (vocab - 1000) + 500 for i in range(args.long_prompt)]
     cold = ask(engine, prompt)
     device = ask(engine, prompt)
     engine.shutdown()  # lets the queued writes land
     del engine
-    restarted = engine_of(model_dir, args, kv_storage_dir=str(storage))
+    restarted = engine_of(model_dir, args, args.long_kv_cache_memory, kv_storage_dir=str(storage))
     stored = ask(restarted, prompt)
     restarted.shutdown()
     print(f"one {args.long_prompt}-token prompt (TTFT; cached tokens by tier device/host/storage):")
@@ -70,7 +70,7 @@ def long_prompt(model_dir: Path, args, storage: Path) -> None:
 
 
 def multi_turn(model_dir: Path, args, storage: Path) -> None:
-    probe = engine_of(model_dir, args)
+    probe = engine_of(model_dir, args, args.kv_cache_memory)
     pool_tokens = probe.core.block_manager.num_blocks * probe.config.block_size
     bytes_per_block = probe.core.runner.bytes_per_block
     vocab = probe.vocab_size
@@ -82,7 +82,7 @@ def multi_turn(model_dir: Path, args, storage: Path) -> None:
     host_bytes = (args.working_set + 1) * args.kv_cache_memory
     for name, tiers in (("no tiers", {}), ("host tier", {"kv_host_memory": host_bytes}),
                         ("storage tier", {"kv_storage_dir": str(storage / "multi-turn")})):
-        engine = engine_of(model_dir, args, **tiers)
+        engine = engine_of(model_dir, args, args.kv_cache_memory, **tiers)
         conversations = [[(997 * (c + 1) * i) % (vocab - 1000) + 500 for i in range(document)]
                          for c in range(args.conversations)]
         ttfts, cached, prompts = [], 0, 0
@@ -104,7 +104,8 @@ def multi_turn(model_dir: Path, args, storage: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weight-format", default="int4")
-    parser.add_argument("--kv-cache-memory", type=int, default=96 << 20)
+    parser.add_argument("--kv-cache-memory", type=int, default=96 << 20, help="the multi-turn workload's pool")
+    parser.add_argument("--long-kv-cache-memory", type=int, default=320 << 20, help="the long prompt's pool")
     parser.add_argument("--long-prompt", type=int, default=4000)
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=3)
