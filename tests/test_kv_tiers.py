@@ -186,7 +186,7 @@ def test_a_slow_read_is_a_miss_after_a_bounded_wait(tmp_path, monkeypatch):
     monkeypatch.setattr(kv_tiers, "read_block_file", lambda path: time.sleep(3) or path.read_bytes())
     started = time.monotonic()
     assert reader.read_run(chain) == []
-    assert time.monotonic() - started < kv_tiers.READ_WAIT_SECONDS + 0.5
+    assert time.monotonic() - started < kv_tiers.BLOCK_READ_WAIT_SECONDS + 0.5
 
 
 def test_a_slow_writer_never_holds_up_offers_it_drops_them(tmp_path, monkeypatch):

@@ -106,7 +106,9 @@ class HostTier:
 
 
 WRITE_QUEUE_BLOCKS = 64  # blocks waiting for the storage writer; when full, a block is not written (never waited for)
-READ_WAIT_SECONDS = 0.25  # the longest an admission waits for storage reads: what has not come by then is a miss
+# the longest an admission waits for the next block of a storage read: a block that has not come by then, and those
+# after it, are a miss (a run of blocks that keep coming is read whole: far faster than computing it)
+BLOCK_READ_WAIT_SECONDS = 0.1
 RESCAN_SECONDS = 60.0  # how often the writer re-reads the directory, to see the files other stacks wrote
 _HEADER = struct.Struct("<8s16s16sIQI")  # magic, model key, block key, token count, payload bytes, payload crc32
 _MAGIC = b"TLLMKV01"
@@ -169,7 +171,8 @@ class StorageTier:
 
     The core never waits for a write: a writer thread owns the files and their index, fed by a bounded queue
     (a full queue drops the block). It waits for reads a bounded time only: a reader thread reads a run of blocks
-    and hands them over one by one; a slow, missing, truncated, corrupted or foreign file ends the run (a miss).
+    and hands them over one by one, each within BLOCK_READ_WAIT_SECONDS or never; a slow, missing, truncated,
+    corrupted or foreign file ends the run (a miss).
     Files are written under a temporary name and renamed, so a reader never sees half a file."""
 
     def __init__(self, directory: str | Path, capacity: int, model: bytes, blocks: DeviceBlocks):
@@ -200,14 +203,13 @@ class StorageTier:
         self._remember(key)
 
     def read_run(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> list[torch.Tensor]:
-        """The K/V of the longest run of `chain`'s blocks read within READ_WAIT_SECONDS."""
+        """The K/V of the longest run of `chain`'s blocks read each within BLOCK_READ_WAIT_SECONDS of the last."""
         run = _ReadRun(chain)
         self._reads.put(run)
-        deadline = time.monotonic() + READ_WAIT_SECONDS
         found: list[torch.Tensor] = []
         while len(found) < len(chain):
             try:
-                kv = run.results.get(timeout=max(0.0, deadline - time.monotonic()))
+                kv = run.results.get(timeout=BLOCK_READ_WAIT_SECONDS)
             except queue.Empty:
                 break
             if kv is None:
