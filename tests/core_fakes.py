@@ -58,9 +58,9 @@ def lora_slot_pool(max_loras: int) -> LoraSlotPool:
     return LoraSlotPool(arch, max_loras, max_rank=1, dtype=torch.float32, device=torch.device("cpu"))
 
 
-def adapter(name: str) -> LoraAdapter:
+def adapter(name: str, files: bytes = b"") -> LoraAdapter:
     """An adapter with no weights: enough for slots and prefix-cache salts."""
-    return LoraAdapter(name, rank=1, weights={})
+    return LoraAdapter(name, rank=1, weights={}, files=files)
 
 
 class PieceTokenizer:

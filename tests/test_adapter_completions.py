@@ -455,3 +455,19 @@ async def test_routed_experts_go_in_sglext_per_choice_index_and_only_when_asked(
 def test_triton_response_parsing_reads_routed_experts():
     chunk = _parse_response(_infer_result({"text_output": [b" a", b" b"], "routed_experts": [b"[[[0, 1]]]", b"[]"]}))
     assert [choice.routed_experts for choice in chunk.choices] == [[[[0, 1]]], []]
+
+
+async def test_cached_tokens_details_count_each_tier_summed_over_the_prompts_only_when_asked():
+    def done(cached: int, tiers: list[int]) -> TritonChunk:
+        return TritonChunk([ChoiceOutput(" x", "stop", [], 1, None)], 40, cached, None, cached_tokens_details=tiers)
+
+    triton = ScriptedTriton({"a": [done(12, [4, 8, 0])], "b": [done(32, [0, 16, 16])], "c": [done(4, [4, 0, 0])]})
+    service = CompletionService(triton, MODEL)
+    response = await service.complete(_request(prompt=["a", "b"], return_cached_tokens_details=True))
+    assert response.usage.prompt_tokens_details.cached_tokens == 44
+    assert json.loads(response.model_dump_json())["sglext"] == {
+        "cached_tokens_details": {"device": 4, "host": 24, "storage": 16, "storage_backend": "file"}}
+    device_only = await service.complete(_request(prompt="c", return_cached_tokens_details=True))
+    assert json.loads(device_only.model_dump_json())["sglext"] == {
+        "cached_tokens_details": {"device": 4, "host": 0, "storage": 0, "storage_backend": None}}
+    assert (await service.complete(_request(prompt="a"))).sglext is None

@@ -104,7 +104,7 @@ def test_out_of_blocks_the_newest_running_sequence_is_preempted_and_later_recomp
     # recomputed: prompt and generated tokens, from its first block that the prefix cache still holds
     assert planned(step(sched)) == [(newer, 5), (behind, 3)]
     assert newer.num_computed_tokens == 9 and newer.output_token_ids == [SAMPLED_TOKEN] * 3
-    assert newer.num_cached_tokens == 0  # the prefix-cache figure of its first admission
+    assert newer.cached_tokens.total == 0  # the prefix-cache figure of its first admission
     assert sched.num_preemptions == 1
 
 

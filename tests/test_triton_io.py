@@ -237,3 +237,12 @@ def test_reasoning_streams_per_choice_and_accumulates_without_streaming():
     assert final["reasoning_output"].tolist() == [b"Let me"] and final["num_reasoning_tokens"].tolist() == [2]
     plain = ResponseBuilder(parse_request(inputs({})))
     assert "reasoning_output" not in plain.on_output(RequestOutput("r", [delta(0, "a", "stop")], 1, 0, True))
+
+
+def test_cached_tokens_details_are_the_cached_tokens_by_tier_when_asked():
+    asked = ResponseBuilder(parse_request(inputs({}, return_num_cached_tokens=True, return_cached_tokens_details=True)))
+    tensors = asked.on_output(RequestOutput("r", [delta(0, "a", "stop")], 40, 28, True, cached_by_tier=(4, 8, 16)))
+    assert tensors["num_cached_tokens"].tolist() == [28]
+    assert tensors["cached_tokens_details"].tolist() == [4, 8, 16]
+    plain = ResponseBuilder(parse_request(inputs({}, return_num_cached_tokens=True)))
+    assert "cached_tokens_details" not in plain.on_output(RequestOutput("r", [delta(0, "a", "stop")], 40, 28, True))

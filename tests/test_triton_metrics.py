@@ -70,6 +70,7 @@ def _none_but(**counts: int) -> dict[str, int]:
 class _Stats:
     running = waiting = free_blocks = total_blocks = prefix_cache_hit_rate = max_model_len = is_dead = 0
     kv_cache_usage = prompt_tokens = generated_tokens = preemptions = 0
+    prefix_cache_hits = (0, 0, 0)
     loaded_loras = ()
 
 
@@ -158,3 +159,14 @@ def test_an_observation_that_fails_is_counted_and_blocks_nothing(metrics, caplog
         assert sum(_FakeMetricFamily.published[("tritonllm:generation_tokens_total", label_key)]) == 10 * poll
         assert sum(_FakeMetricFamily.published[internal_errors]) == poll
     assert len([r for r in caplog.records if "internal error in metrics" in r.getMessage()]) == 1
+
+
+def test_prefix_cache_hits_are_counted_by_tier(metrics):
+    stats = _Stats()
+    for hits in [(0, 0, 0), (32, 16, 0), (48, 16, 64)]:
+        stats.prefix_cache_hits = hits
+        metrics.update(stats)
+    totals = {tier: sum(_FakeMetricFamily.published[
+        ("tritonllm:prefix_cache_hits_total", tuple(sorted({**LABELS, "tier": tier}.items())))])
+        for tier in ("device", "host", "storage")}
+    assert totals == {"device": 48, "host": 16, "storage": 64}

@@ -14,6 +14,7 @@ from contextlib import aclosing
 
 from tritonllm.interface.errors import InvalidRequest
 from tritonllm.interface.parameters import CONSTRAINTS, PARAMETERS, SamplingParams
+from tritonllm.interface.tensors import CACHE_TIERS, STORAGE_BACKEND
 from tritonllm.adapter.concurrency import merge
 from tritonllm.adapter.echo import Echo, echo_from_prompt_logprobs, echo_prompt_logprobs
 from tritonllm.adapter.errors import (
@@ -208,6 +209,7 @@ class CompletionAssembler:
         self._prompt_logprobs: list[list[dict | None] | None] = [None] * len(self._prompts)
         self._prompt_tokens = [0] * len(self._prompts)
         self._cached_tokens = [0] * len(self._prompts)
+        self._cached_by_tier = [[0] * len(CACHE_TIERS) for _ in self._prompts]
         self._with_cache_details = request.return_cached_tokens_details
         self._with_routed_experts = request.return_routed_experts
         self._with_token_ids = request.return_token_ids
@@ -220,6 +222,8 @@ class CompletionAssembler:
             self._prompt_tokens[prompt_index] = chunk.num_input_tokens
         if chunk.num_cached_tokens is not None:
             self._cached_tokens[prompt_index] = chunk.num_cached_tokens
+        if chunk.cached_tokens_details is not None:
+            self._cached_by_tier[prompt_index] = chunk.cached_tokens_details
         states = self._choices_of(prompt_index)
         if chunk.prompt_logprobs is not None and self._num_prompt_top is not None:
             self._prompt_logprobs[prompt_index] = vllm_prompt_logprobs(chunk.prompt_logprobs, self._num_prompt_top)
@@ -267,7 +271,9 @@ class CompletionAssembler:
     def chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         cached = None
         if usage is not None and self._with_cache_details:
-            cached = CachedTokensDetails(device=sum(self._cached_tokens))
+            device, host, storage = (sum(counts) for counts in zip(*self._cached_by_tier))
+            cached = CachedTokensDetails(device=device, host=host, storage=storage,
+                                         storage_backend=STORAGE_BACKEND if storage else None)
         routed = None
         if self._with_routed_experts and choices:
             routed = [[] for _ in self._choices]  # by choice index; a choice this chunk does not carry: none
@@ -377,7 +383,9 @@ class CompletionService:
             self._triton.generate(
                 GenerateRequest(prompt, parameters, stream=request.stream,
                                 return_logprobs=request.engine_logprobs() is not None,
-                                return_token_ids=request.return_token_ids, prompt_options=request.prompt_options()),
+                                return_token_ids=request.return_token_ids,
+                                return_cached_tokens_details=request.return_cached_tokens_details,
+                                prompt_options=request.prompt_options()),
                 request_id=f"{completion_id}-{prompt_index}",
             )
             for prompt_index, (prompt, parameters) in enumerate(zip(request.prompts(), prompt_parameters))

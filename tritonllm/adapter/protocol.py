@@ -716,7 +716,8 @@ class Usage(BaseModel):
 
 
 class CachedTokensDetails(BaseModel):
-    """Where the prompt's cached tokens came from, per cache tier (SGLang's shape; only the device tier exists)."""
+    """Where the prompt's cached tokens came from, per KV cache tier (SGLang's shape): they sum to
+    usage.prompt_tokens_details.cached_tokens; storage_backend names the storage tier when it served any."""
 
     device: int
     host: int = 0

@@ -118,6 +118,8 @@ class TritonChunk:
     """Final hidden states of every prompt token, in one response only, when requested (echo)."""
     prompt_token_ids: list[int] | None = None
     """The prompt's token ids, in the first response only, when requested."""
+    cached_tokens_details: list[int] | None = None
+    """num_cached_tokens by KV cache tier (CACHE_TIERS' order), when requested."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,8 @@ class GenerateRequest:
     return_logprobs: bool = False
     return_token_ids: bool = False
     """The new tokens' ids per choice, and the prompt's once."""
+    return_cached_tokens_details: bool = False
+    """The cached prompt tokens by KV cache tier (CACHE_TIERS)."""
     prompt_options: dict[str, bool | str] = field(default_factory=dict)
     """PROMPT_OPTIONS and TOOL_INPUTS inputs (tritonllm/interface/tensors.py) by name, a bool for a BOOL input, a
     string for a STRING one; an absent one keeps the engine's default."""
@@ -334,7 +338,8 @@ def _request_inputs(request: GenerateRequest) -> list[InferInput]:
     # The adapter adds echoed prompt text itself, so Triton never returns the prompt.
     inputs.append(_tensor("exclude_input_in_output", np.array([True]), "BOOL"))
     flags = _ALWAYS_RETURNED + (("return_logprobs",) if request.return_logprobs else ()) + (
-        ("return_token_ids", "return_prompt_token_ids") if request.return_token_ids else ())
+        ("return_token_ids", "return_prompt_token_ids") if request.return_token_ids else ()) + (
+        ("return_cached_tokens_details",) if request.return_cached_tokens_details else ())
     inputs.extend(_tensor(flag, np.array([True]), "BOOL") for flag in flags)
     return inputs
 
@@ -381,6 +386,7 @@ def _parse_response(response: InferResult) -> TritonChunk:
         prompt_logprobs=json.loads(prompt_logprobs[0]) if prompt_logprobs else None,
         prompt_hidden_states=json.loads(prompt_hidden_states[0]) if prompt_hidden_states else None,
         prompt_token_ids=prompt_token_ids,
+        cached_tokens_details=result.ints("cached_tokens_details") or None,
     )
 
 

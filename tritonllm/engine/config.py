@@ -30,6 +30,14 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+AUTO = "auto"
+
+
+def parse_size_or_auto(text: str | int) -> int | str:
+    """'auto' or a memory size in bytes (parse_size)."""
+    return AUTO if str(text).strip().lower() == AUTO else parse_size(text)
+
+
 def at_least_one(name: str) -> Callable[[str], int]:
     """The parser of a whole-number setting that must be at least 1."""
     def parse(text: str) -> int:
@@ -59,6 +67,16 @@ class EngineConfig:
                                           "with float32 activations: keys and values rounded to float16, half the "
                                           "cache's memory and half the bytes decode attention reads)",
                                   choices=KV_CACHE_DTYPES)
+    kv_host_memory: int | str = setting(
+        AUTO, "bytes of host memory for the KV cache's host tier: full blocks the KV cache evicts are kept there "
+              "(least recently used out) and copied back on a prefix hit; 0: off; auto: off on the CPU (the KV cache "
+              "is host memory already), 2 x kv_cache_memory of pinned memory on CUDA", parse=parse_size_or_auto)
+    kv_storage_dir: str = setting(
+        "", "directory of the KV cache's storage tier: every computed block is written there (one file a block, off "
+            "the engine's thread) and found again after the device and host tiers evicted it, after a restart, and "
+            "by the other stacks sharing the directory; empty: off")
+    kv_storage_size: int = setting(16 << 30, "bytes the storage tier's files may take (least recently used out)",
+                                   parse=parse_size)
     block_size: int = setting(16, "tokens per KV cache block")
     max_num_seqs: int = setting(64, "sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")

@@ -104,4 +104,5 @@ class LLMEngine:
         return self.core.stats()
 
     def shutdown(self) -> None:
+        self.core.close()
         self.parts.grammars.shutdown()

@@ -304,4 +304,6 @@ class ResponseBuilder:
                                                      for i in kept], dtype=np.uint32)
         if "num_cached_tokens" in wanted:
             tensors["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.uint32)
+        if "cached_tokens_details" in wanted:
+            tensors["cached_tokens_details"] = np.array(output.cached_by_tier, dtype=np.uint32)
         return tensors

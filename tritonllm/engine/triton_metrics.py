@@ -11,8 +11,8 @@ from collections import Counter
 
 from tritonllm.interface.errors import Cancelled
 from tritonllm.interface.metric_names import (COUNTERS, FINISH_REASONS, FINISHED, GAUGES, HISTOGRAMS, INTERNAL_ERRORS,
-                                              LORA_LOADED)
-from tritonllm.interface.tensors import FinishReason
+                                              LORA_LOADED, PREFIX_CACHE_HITS)
+from tritonllm.interface.tensors import CACHE_TIERS, FinishReason
 from tritonllm.engine.processing.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class EngineMetrics:
         self.counters = {key: family(n, d, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
                          for key, (n, d) in COUNTERS.items()}
         self.counted = {key: 0 for key in COUNTERS}
+        hits = family(*PREFIX_CACHE_HITS, pb_utils.MetricFamily.COUNTER)
+        self.prefix_cache_hits = [hits.Metric(labels={**labels, "tier": tier}) for tier in CACHE_TIERS]
+        self.counted_hits = [0] * len(CACHE_TIERS)
         self.labels = labels
         self.lora_family = family(*LORA_LOADED, pb_utils.MetricFamily.GAUGE)
         self.lora_loaded = {}  # adapter name → its gauge, created when the adapter is first loaded
@@ -102,6 +105,9 @@ class EngineMetrics:
             value = getattr(stats, key)
             self._publish(lambda: metric.increment(float(value - self.counted[key])))
             self.counted[key] = value
+        for metric, count, counted in zip(self.prefix_cache_hits, stats.prefix_cache_hits, self.counted_hits):
+            self._publish(lambda: metric.increment(float(count - counted)))
+        self.counted_hits = list(stats.prefix_cache_hits)
         self._publish(lambda: self._update_lora_loaded(set(stats.loaded_loras)))
 
     def _update_lora_loaded(self, loaded: set[str]) -> None:

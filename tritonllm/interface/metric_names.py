@@ -25,6 +25,10 @@ COUNTERS = {
 }
 
 
+# EngineStats.prefix_cache_hits, a counter per tier label (tensors.CACHE_TIERS)
+PREFIX_CACHE_HITS = ("tritonllm:prefix_cache_hits_total",
+                     "Prompt tokens served from the prefix cache, by the KV cache tier they came from (label tier)")
+
 LORA_LOADED = ("tritonllm:lora_adapter_loaded",
                "1 while the LoRA adapter (label adapter) holds a slot of the pool, 0 once evicted")
 
@@ -58,7 +62,7 @@ INTERNAL_ERRORS = ("tritonllm:internal_errors_total",
                    "Failures of the engine's background work (label where: e.g. responder, metrics) that it survived; "
                    "the log has the first traceback of each and a count of the rest")
 
-ALL_NAMES = frozenset([name for name, _ in (*GAUGES.values(), *COUNTERS.values(), LORA_LOADED, FINISHED,
-                                            INTERNAL_ERRORS)] +
+ALL_NAMES = frozenset([name for name, _ in (*GAUGES.values(), *COUNTERS.values(), PREFIX_CACHE_HITS, LORA_LOADED,
+                                            FINISHED, INTERNAL_ERRORS)] +
                       [name for name, _, _ in HISTOGRAMS.values()])
 """Every metric family the engine exports (what the adapter relays, and what dashboards may query)."""

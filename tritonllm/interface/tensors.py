@@ -6,7 +6,11 @@ from enum import StrEnum
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")  # exactly one carries the prompt
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
                 "return_num_output_tokens", "return_num_cached_tokens", "return_matched_stop", "return_token_ids",
-                "return_prompt_token_ids")  # each adds the output of its name without "return_"
+                "return_prompt_token_ids", "return_cached_tokens_details")
+"""Each adds the output of its name without "return_"."""
+CACHE_TIERS = ("device", "host", "storage")
+"""The KV cache's tiers (tritonllm/engine/core/kv_tiers.py): the order of `cached_tokens_details`'s counts."""
+STORAGE_BACKEND = "file"  # what the storage tier is, as SGLang's cached_tokens_details names it
 PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 """How the prompt becomes tokens (vLLM's names): BOOL inputs, but chat_template_kwargs (a JSON object)."""
 TOOL_INPUTS = ("tools", "tool_choice", "parallel_tool_calls")
@@ -18,7 +22,7 @@ INPUTS = PROMPT_INPUTS + ("stream", "sampling_parameters", "exclude_input_in_out
 OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
            "num_cached_tokens", "matched_stop", "prompt_logprobs", "hidden_states", "prompt_hidden_states",
            "routed_experts", "token_ids", "prompt_token_ids", "prompt_token_strs", "max_model_len", "tool_calls",
-           "reasoning_output", "num_reasoning_tokens")
+           "reasoning_output", "num_reasoning_tokens", "cached_tokens_details")
 TOKENIZE_OUTPUTS = ("text_output", "prompt_token_ids", "prompt_token_strs", "num_input_tokens", "max_model_len")
 """The one response of a `tokenize_only` request: the prompt's text and tokens, nothing generated."""
 

@@ -1,30 +1,40 @@
 """The paged KV block pool: allocation, reference counts and the automatic prefix cache.
 
 A full block is keyed by a hash chain (parent block's key + its own tokens), so equal keys mean equal prefixes.
-The chain of a sequence run with a LoRA adapter or a cache_salt starts from them: adapters never share KV, and
-requests share prefixes only with requests of the same salt.
-Freed blocks that hold a cached prefix stay findable until they are reused (LRU order)."""
+The chain starts from the model's identity, the sequence's LoRA adapter and its cache_salt (prefix_keys.py):
+adapters never share KV, and requests share prefixes only with requests of the same salt.
+Freed blocks that hold a cached prefix stay findable until they are reused (LRU order); with a host tier
+(kv_tiers.py) a reused block's K/V move there first; with a storage tier every newly computed block is offered to
+it. A prefix match goes on from the device pool into the host tier, then into storage."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from tritonllm.engine.core.sequence import Sequence
+import torch
+
+from tritonllm.engine.core.kv_tiers import HostTier, StorageTier
+from tritonllm.engine.core.prefix_keys import block_key, root_key
+from tritonllm.engine.core.sequence import CachedTokens, Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model: bytes = b"",
+                 host: HostTier | None = None, storage: StorageTier | None = None):
+        self.model = model  # the model's identity (prefix_keys.model_key): the root of every key
+        self.host = host
+        self.storage = storage
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_keys: list[int | None] = [None] * num_blocks
+        self.block_keys: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.key_to_block: dict[int, int] = {}
+        self.key_to_block: dict[bytes, int] = {}
         # free blocks, least recently used first: reuse takes from the front
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_queries = 0  # prompt tokens looked up in the cache
-        self.prefix_hits = 0  # prompt tokens found there
+        self.prefix_hits = CachedTokens()  # prompt tokens found there, by tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -33,19 +43,17 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _block_key(self, parent_key: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent_key, tokens))
-
-    def _root_key(self, seq: Sequence) -> int | None:
-        """The parent key of a sequence's first block: None for the base model without a salt, else from its
-        adapter and salt."""
-        salt = seq.prefix_cache_salt
-        return None if salt is None else hash(("salt", salt))
+    def _root_key(self, seq: Sequence) -> bytes:
+        """The parent key of a sequence's first block: the model, the sequence's adapter and its salt."""
+        lora = seq.request.lora
+        return root_key(self.model, None if lora is None else (lora.name, lora.files), seq.params.cache_salt)
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
         key = self.block_keys[block]
-        if key is not None:  # evict its cached prefix
+        if key is not None:  # evict its cached prefix (to the host tier, if there is one)
+            if self.host is not None:
+                self.host.put(key, self.block_tokens[block], block)
             del self.key_to_block[key]
             self.block_keys[block] = None
             self.block_tokens[block] = None
@@ -57,29 +65,74 @@ class BlockManager:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
-    def allocate_cached_prefix(self, seq: Sequence) -> int:
-        """Give a new sequence the cached blocks of its longest cached prefix; returns the tokens they hold.
+    def allocate_cached_prefix(self, seq: Sequence) -> CachedTokens:
+        """Give a new sequence the cached blocks of its longest cached prefix, copying the ones found in a lower
+        tier into device blocks; returns the tokens they hold, by tier.
 
         The last token is always left to compute, since its logits are needed to sample."""
         assert not seq.block_table
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
-            return 0
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent_key = self._root_key(seq)
-        for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            key = self._block_key(parent_key, tokens)
-            block = self.key_to_block.get(key)
-            if block is None or self.block_tokens[block] != tokens:
+            return CachedTokens()
+        chain = self.chain(seq, (seq.num_tokens - 1) // self.block_size)
+        device = host = storage = 0
+        for key, tokens in chain:
+            if self._reuse_cached(seq, key, tokens):
+                device += 1
+            elif self.host is not None and self.free_blocks and (kv := self.host.take(key, tokens)) is not None:
+                self._load(seq, key, tokens, kv, self.host)
+                host += 1
+            else:
                 break
-            self._reuse(block)
-            seq.block_table.append(block)
-            seq.full_block_keys.append(key)
-            parent_key = key
-        cached = len(seq.block_table) * self.block_size
+        rest = chain[device + host:]
+        if self.storage is not None and rest and self.free_blocks:
+            for (key, tokens), kv in zip(rest, self.storage.read_run(rest[:len(self.free_blocks)])):
+                if self._reuse_cached(seq, key, tokens):
+                    device += 1
+                elif self.free_blocks:
+                    self._load(seq, key, tokens, kv, self.storage)
+                    storage += 1
+                else:
+                    break
+        cached = CachedTokens(device * self.block_size, host * self.block_size, storage * self.block_size)
         self.prefix_queries += seq.num_prompt_tokens
-        self.prefix_hits += min(cached, seq.num_prompt_tokens)
+        self.prefix_hits += cached.within(seq.num_prompt_tokens)
         return cached
+
+    def chain(self, seq: Sequence, num_blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, tokens) of the sequence's first num_blocks full blocks."""
+        chain, parent_key = [], self._root_key(seq)
+        for i in range(num_blocks):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent_key = block_key(parent_key, tokens)
+            chain.append((parent_key, tokens))
+        return chain
+
+    def _reuse_cached(self, seq: Sequence, key: bytes, tokens: tuple[int, ...]) -> bool:
+        """Give the sequence the device pool's block of `key`, if the pool holds it."""
+        block = self.key_to_block.get(key)
+        if block is None or self.block_tokens[block] != tokens:
+            return False
+        self._reuse(block)
+        self._append(seq, key, block)
+        return True
+
+    def _load(self, seq: Sequence, key: bytes, tokens: tuple[int, ...], kv: torch.Tensor,
+              tier: HostTier | StorageTier) -> None:
+        """Give the sequence a free block holding `kv`, the K/V of `key` that a lower tier held."""
+        block = self._take_free_block()  # (may move another block to the host tier)
+        tier.blocks.write(block, kv)
+        self._register(key, tokens, block)
+        self._append(seq, key, block)
+
+    @staticmethod
+    def _append(seq: Sequence, key: bytes, block: int) -> None:
+        seq.block_table.append(block)
+        seq.full_block_keys.append(key)
+
+    def _register(self, key: bytes, tokens: tuple[int, ...], block: int) -> None:
+        self.key_to_block[key] = block
+        self.block_keys[block] = key
+        self.block_tokens[block] = tokens
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold num_tokens; False (and no change) when the pool is too small."""
@@ -98,12 +151,12 @@ class BlockManager:
         for i in range(len(seq.full_block_keys), seq.num_computed_tokens // self.block_size):
             parent_key = seq.full_block_keys[-1] if seq.full_block_keys else self._root_key(seq)
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            key = self._block_key(parent_key, tokens)
+            key = block_key(parent_key, tokens)
             block = seq.block_table[i]
             if key not in self.key_to_block:
-                self.key_to_block[key] = block
-                self.block_keys[block] = key
-                self.block_tokens[block] = tokens
+                self._register(key, tokens, block)
+                if self.storage is not None:
+                    self.storage.offer(key, tokens, block)
             seq.full_block_keys.append(key)
 
     def free(self, seq: Sequence) -> None:

@@ -161,6 +161,7 @@ class CoreLoop:
             if time.monotonic() - last_stats_log > _STATS_LOG_INTERVAL_S:
                 last_stats_log = time.monotonic()
                 log.info("engine: %s", self.stats)
+        self._core.close()
 
     def _step(self) -> list[CoreOutput]:
         """One core step; a failed one fails what was in flight, and enough of them in a row kill the engine."""

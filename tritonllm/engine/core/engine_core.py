@@ -18,7 +18,9 @@ import torch
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.core.block_manager import BlockManager
 from tritonllm.engine.core.core_messages import AbortAll, AbortRequest, AddRequest, CoreMessage
+from tritonllm.engine.core.kv_tiers import DeviceBlocks, HostTier, StorageTier, host_tier_bytes
 from tritonllm.engine.core.model_runner import ModelRunner, PromptHiddenStates, PromptLogits
+from tritonllm.engine.core.prefix_keys import files_digest, model_key
 from tritonllm.engine.core.sampler import Sampler, score
 from tritonllm.engine.core.scheduler import ScheduledSequence, Scheduler
 from tritonllm.engine.core.sequence import CoreOutput, CoreRequest, SampledToken, Sequence, SequenceUpdate
@@ -27,6 +29,8 @@ from tritonllm.interface.errors import InvalidRequest
 from tritonllm.interface.tensors import FinishReason
 
 log = logging.getLogger(__name__)
+
+STORAGE_FLUSH_SECONDS = 3.0  # how long shutting down waits for the storage tier's queued writes
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class EngineStats:
     free_blocks: int
     total_blocks: int
     prefix_cache_hit_rate: float
+    prefix_cache_hits: tuple[int, int, int]  # prompt tokens served by each tier (CACHE_TIERS), since start
     max_model_len: int  # tokens one request may hold (prompt + output): the capacity of ModelLimits
     prompt_tokens: int  # counters since start
     generated_tokens: int
@@ -79,7 +84,17 @@ class EngineCore:
             name=model_dir.name, vocab_size=arch.vocab_size, max_model_len=max_model_len,
             capacity=min(max_model_len, self.runner.num_blocks * config.block_size), is_moe=arch.is_moe, arch=arch)
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        model = model_key(files_digest(model_dir), model_class=type(self.runner.model).__name__, arch=arch,
+                          weights=self.runner.weight_format, activations=self.runner.dtype,
+                          kv_dtype=self.runner.kv_dtype, block_size=config.block_size, device=self.runner.device.type)
+        blocks = DeviceBlocks(self.runner.kv_caches)
+        tiered = config.enable_prefix_caching  # (the tiers hold cached prefixes)
+        host_bytes = host_tier_bytes(config.kv_host_memory, self.runner.device, config.kv_cache_memory) if tiered else 0
+        storage = config.kv_storage_dir if tiered else ""
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching, model,
+            HostTier(host_bytes, blocks) if host_bytes else None,
+            StorageTier(storage, config.kv_storage_size, model, blocks) if storage else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.lora_slots, config.scheduling_policy)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)
@@ -310,10 +325,11 @@ class EngineCore:
             prompt_hidden_states = torch.cat(first.prompt_hidden_states)
             request.prompt_hidden_states_sent = True
         if updates or finished or prompt_logprobs is not None:
+            cached = min((seq.cached_tokens for seq in request.sequences), key=lambda tokens: tokens.total)
             outputs.append(CoreOutput(
-                request.request_id, updates, len(request.prompt_token_ids),
-                min(seq.num_cached_tokens for seq in request.sequences), finished,
-                prompt_logprobs=prompt_logprobs, prompt_hidden_states=prompt_hidden_states, times=request.times()))
+                request.request_id, updates, len(request.prompt_token_ids), cached.total, finished,
+                prompt_logprobs=prompt_logprobs, prompt_hidden_states=prompt_hidden_states, times=request.times(),
+                cached_by_tier=cached.by_tier()))
         if finished:
             del self._requests[request.request_id]
 
@@ -324,7 +340,8 @@ class EngineCore:
             waiting=self.num_waiting_requests(),
             free_blocks=bm.num_free_blocks,
             total_blocks=bm.num_blocks,
-            prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            prefix_cache_hit_rate=bm.prefix_hits.total / bm.prefix_queries if bm.prefix_queries else 0.0,
+            prefix_cache_hits=bm.prefix_hits.by_tier(),
             max_model_len=self.limits.capacity,
             prompt_tokens=self.num_prompt_tokens,
             generated_tokens=self.num_generated_tokens,
@@ -332,6 +349,13 @@ class EngineCore:
             loaded_loras=() if self.runner.lora_slots is None else tuple(self.runner.lora_slots.loaded_names()),
             unfinished_requests=len(self._requests) + len(self._ready_outputs),
         )
+
+    def close(self) -> None:
+        """Let the storage tier's queued writes land (for a few seconds at most), then stop its threads."""
+        storage = self.block_manager.storage
+        if storage is not None:
+            storage.wait_for_writes(STORAGE_FLUSH_SECONDS)
+            storage.close()
 
     def num_waiting_requests(self) -> int:
         """Requests not running yet: compiling their grammar or waiting for admission."""

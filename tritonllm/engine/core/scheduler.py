@@ -110,9 +110,9 @@ class Scheduler:
                 break
             if not seq.block_table:
                 cached = self.block_manager.allocate_cached_prefix(seq)
-                seq.num_computed_tokens = cached
+                seq.num_computed_tokens = cached.total
                 if seq.num_output_tokens == 0:
-                    seq.num_cached_tokens = cached
+                    seq.cached_tokens = cached
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 self.block_manager.free(seq)  # don't pin cached blocks (or an adapter slot) while waiting

@@ -18,6 +18,32 @@ from tritonllm.engine.layers.lora import LoraAdapter
 _arrivals = itertools.count()  # (next() is atomic: requests are made on Triton's threads)
 
 
+@dataclass(frozen=True)
+class CachedTokens:
+    """Prompt tokens served from the prefix cache, by the tier they came from (device pool, host memory,
+    storage)."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.storage
+
+    def by_tier(self) -> tuple[int, int, int]:
+        return self.device, self.host, self.storage
+
+    def within(self, limit: int) -> "CachedTokens":
+        """The first `limit` tokens of these, in tier order (a resumed sequence's cache holds output tokens too)."""
+        device = min(self.device, limit)
+        host = min(self.host, limit - device)
+        return CachedTokens(device, host, min(self.storage, limit - device - host))
+
+    def __add__(self, other: "CachedTokens") -> "CachedTokens":
+        return CachedTokens(self.device + other.device, self.host + other.host, self.storage + other.storage)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -70,9 +96,9 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.full_block_keys: list[int] = []  # prefix-cache key of each full block, in order
+        self.full_block_keys: list[bytes] = []  # prefix-cache key of each full block, in order
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0  # prompt tokens that came from the prefix cache at first admission
+        self.cached_tokens = CachedTokens()  # prompt tokens that came from the prefix cache at first admission
         self.generator = generator
         self.grammar = None  # llguidance matcher of a constrained request (structured_output.py), else None
         self.lora_slot = -1  # the adapter's slot in the LoRA pool while running; −1 = none (or not admitted)
@@ -125,13 +151,6 @@ class Sequence:
         """Like needs_prompt_logprobs, for the prompt's hidden states."""
         return self.params.return_prompt_hidden_states and self.num_prompt_hidden_states < self.num_prompt_tokens
 
-    @property
-    def prefix_cache_salt(self) -> tuple[str | None, str | None] | None:
-        """KV computed under one adapter is not valid for another (or the base model), and a request's cache_salt
-        keeps its prefixes from requests with another salt (or none): the cache keys differ."""
-        adapter = None if self.request.lora is None else self.request.lora.name
-        return None if adapter is None and self.params.cache_salt is None else (adapter, self.params.cache_salt)
-
 
 @dataclass
 class SequenceUpdate:
@@ -168,3 +187,4 @@ class CoreOutput:
     prompt_logprobs: list[SampledToken] | None = None  # of prompt positions 1.., once the prompt is processed
     prompt_hidden_states: torch.Tensor | None = None  # [prompt tokens, hidden], once likewise
     times: RequestTimes | None = None  # None: the core never took the request (e.g. refused by a dead engine)
+    cached_by_tier: tuple[int, int, int] = (0, 0, 0)  # num_cached_tokens by tier: device, host, storage

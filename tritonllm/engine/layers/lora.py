@@ -38,6 +38,7 @@ class LoraAdapter:
     # (layer, checkpoint projection) → (A [rank, in], B [out, rank] with the scaling folded in), float32 numpy:
     # read off the core's thread, they become tensors in the core's slot pool (engine/lora_slots.py)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    files: bytes = b""  # its files' digest (core/prefix_keys.files_digest): its prefix-cache keys change with them
 
 
 @dataclass

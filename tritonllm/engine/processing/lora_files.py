@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tritonllm.engine.core.prefix_keys import files_digest
 from tritonllm.interface.errors import InvalidRequest
 from tritonllm.interface.lora_names import CONFIG_FILE, resolve_adapter
 from tritonllm.engine.layers.lora import LoraAdapter, projection_shapes
@@ -59,7 +60,7 @@ class AdapterDirectory:
             tensors = read_float32_safetensors(folder / WEIGHTS_FILE)
         except (OSError, ValueError, KeyError, TypeError, struct.error) as error:  # missing, corrupt or odd file
             raise InvalidRequest(f"LoRA adapter {name!r}: unreadable {WEIGHTS_FILE} ({error})", "lora_path") from None
-        return LoraAdapter(name, rank, self._pair_weights(name, tensors, rank, scaling))
+        return LoraAdapter(name, rank, self._pair_weights(name, tensors, rank, scaling), files_digest(folder))
 
     def _pair_weights(self, name: str, tensors: dict[str, np.ndarray], rank: int,
                       scaling: float) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:

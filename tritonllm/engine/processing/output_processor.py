@@ -148,7 +148,8 @@ class OutputProcessor:
         state.started = True
         return RequestOutput(output.request_id, choices, output.num_prompt_tokens, output.num_cached_tokens,
                              finished, prompt_token_ids=prompt_token_ids, prompt_logprobs=prompt_logprobs,
-                             prompt_hidden_states=output.prompt_hidden_states, times=output.times), stopped_here
+                             prompt_hidden_states=output.prompt_hidden_states, times=output.times,
+                             cached_by_tier=output.cached_by_tier), stopped_here
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:
         return TokenLogprob(sampled.token_id, self.token_text(sampled.token_id), sampled.logprob,

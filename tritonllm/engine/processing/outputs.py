@@ -49,3 +49,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # sent once, when the prompt has been processed
     prompt_hidden_states: torch.Tensor | None = None  # [prompt tokens, hidden], sent once likewise
     times: RequestTimes | None = None  # the core's, for the metrics (None: the core never took the request)
+    cached_by_tier: tuple[int, int, int] = (0, 0, 0)  # num_cached_tokens by tier: device, host, storage
