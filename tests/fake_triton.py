@@ -1,7 +1,10 @@
 """A stand-in tritonserver for adapter tests that need time to pass on a real gRPC stream (deadlines, shutdown):
 it answers readiness and streams `count` one-token responses of the `llm` model, `interval_s` apart, then a final
 one (finish_reason "length"); with `stall_after` it goes silent after that many tokens. The prompt (`text_input`)
-is that script as JSON. It records how each call ended: "completed", or "cancelled" by the client."""
+is that script as JSON; the first response names the script's engine instance; a tokenize_only probe gets the
+prompt back. Like the model, it answers a `cancel_request_id` request by ending that request with an error. It
+records how each request ended: "completed", "cancelled" (by a cancel request), or "stream cancelled" (the client
+cancelled its gRPC call, which the adapter must not do: tritonllm/interface/tensors.py, CANCEL_INPUT)."""
 
 from __future__ import annotations
 
@@ -24,22 +27,30 @@ class Script:
     count: int = 3
     interval_s: float = 0.0
     stall_after: int | None = None
+    instance: str = "llm_0_0"  # the engine instance the first response names
 
     def prompt(self) -> str:
-        return json.dumps({"count": self.count, "interval_s": self.interval_s, "stall_after": self.stall_after})
+        return json.dumps({"count": self.count, "interval_s": self.interval_s, "stall_after": self.stall_after,
+                           "instance": self.instance})
 
 
 def _tensor(name: str, datatype: str, value) -> tuple[service_pb2.ModelInferResponse.InferOutputTensor, bytes]:
     if datatype == "BYTES":
         raw = serialize_byte_tensor(np.array([value.encode()], dtype=np.object_)).item()
+    elif datatype == "BOOL":
+        raw = np.array([value], dtype=np.bool_).tobytes()
     else:
         raw = np.array([value], dtype=np.uint32).tobytes()
     return service_pb2.ModelInferResponse.InferOutputTensor(name=name, datatype=datatype, shape=[1]), raw
 
 
 def _response(request_id: str, text: str, finish_reason: str, tokens: int) -> service_pb2.ModelStreamInferResponse:
-    tensors = [_tensor("text_output", "BYTES", text), _tensor("finish_reason", "BYTES", finish_reason),
-               _tensor("num_output_tokens", "UINT32", tokens), _tensor("num_input_tokens", "UINT32", 1)]
+    return _outputs(request_id, [
+        _tensor("text_output", "BYTES", text), _tensor("finish_reason", "BYTES", finish_reason),
+        _tensor("num_output_tokens", "UINT32", tokens), _tensor("num_input_tokens", "UINT32", 1)])
+
+
+def _outputs(request_id: str, tensors: list) -> service_pb2.ModelStreamInferResponse:
     return service_pb2.ModelStreamInferResponse(infer_response=service_pb2.ModelInferResponse(
         model_name="llm", id=request_id, outputs=[tensor for tensor, _ in tensors],
         raw_output_contents=[raw for _, raw in tensors]))
@@ -47,7 +58,8 @@ def _response(request_id: str, text: str, finish_reason: str, tokens: int) -> se
 
 class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self) -> None:
-        self.outcomes: dict[str, str] = {}  # request id → how its call ended
+        self.outcomes: dict[str, str] = {}  # request id → how it ended
+        self.cancelled: dict[str, threading.Event] = {}  # request id → set by a cancel request
         self.lock = threading.Lock()
 
     def ServerReady(self, request, context):
@@ -58,35 +70,57 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def ModelStreamInfer(self, request_iterator, context):
         for request in request_iterator:
-            [prompt] = [deserialize_bytes_tensor(raw)[0].decode() for tensor, raw in
-                        zip(request.inputs, request.raw_input_contents) if tensor.name == "text_input"]
-            script = Script(**json.loads(prompt))
+            inputs = {tensor.name: deserialize_bytes_tensor(raw)[0].decode()
+                      for tensor, raw in zip(request.inputs, request.raw_input_contents) if tensor.datatype == "BYTES"}
+            if "cancel_request_id" in inputs:
+                with self.lock:
+                    target = self.cancelled.get(inputs["cancel_request_id"])
+                if target is not None:
+                    target.set()
+                yield _outputs(request.id, [_tensor("cancelled", "BOOL", target is not None)])
+                return
+            if any(tensor.name == "tokenize_only" for tensor in request.inputs):  # the adapter's probe
+                yield _outputs(request.id, [_tensor("text_output", "BYTES", inputs["text_input"]),
+                                            _tensor("max_model_len", "UINT32", 2048)])
+                return
+            script = Script(**json.loads(inputs["text_input"]))
+            cancelled = threading.Event()
+            with self.lock:
+                self.cancelled[request.id] = cancelled
             # A call cancelled while this generator waits at a `yield` is never resumed: its outcome is
             # recorded when the call ends, whatever ends it.
-            context.add_callback(lambda request_id=request.id: self._record_first(request_id, "cancelled"))
+            context.add_callback(lambda request_id=request.id: self._record_first(request_id, "stream cancelled"))
             for index in range(script.count):
                 if script.stall_after is not None and index >= script.stall_after:
                     break
-                if not self._sleep(script.interval_s, context):
-                    return
-                yield _response(request.id, f" t{index}", "None", 1)
+                if not self._sleep(script.interval_s, context, cancelled):
+                    break
+                response = _response(request.id, f" t{index}", "None", 1)
+                if index == 0:
+                    response.infer_response.outputs.append(_tensor("model_instance", "BYTES", script.instance)[0])
+                    response.infer_response.raw_output_contents.append(_tensor("model_instance", "BYTES",
+                                                                               script.instance)[1])
+                yield response
             else:
                 self._record_first(request.id, "completed")
                 yield _response(request.id, "", "length", 0)
                 return
-            while context.is_active():  # stalled: silent until the client gives up
+            while context.is_active() and not cancelled.is_set():  # stalled: silent until cancelled
                 time.sleep(0.02)
+            if cancelled.is_set():  # the model's answer: an error, its final response
+                self._record_first(request.id, "cancelled")
+                yield service_pb2.ModelStreamInferResponse(error_message="the request was cancelled")
             return
 
     @staticmethod
-    def _sleep(seconds: float, context) -> bool:
-        """Sleep; False as soon as the client has cancelled the call."""
+    def _sleep(seconds: float, context, cancelled: threading.Event) -> bool:
+        """Sleep; False as soon as the client has cancelled the call or the request."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            if not context.is_active():
+            if not context.is_active() or cancelled.is_set():
                 return False
             time.sleep(min(0.02, deadline - time.monotonic()))
-        return context.is_active()
+        return context.is_active() and not cancelled.is_set()
 
     def _record_first(self, request_id: str, outcome: str) -> None:
         with self.lock:

@@ -200,7 +200,7 @@ def wait_until_idle(stack, timeout: float = 20.0) -> None:
         time.sleep(0.25)
 
 
-def _grpc_inputs(prompt: str, params: dict | str, stream: bool, flags: dict[str, bool]) -> list:
+def grpc_inputs(prompt: str, params: dict | str, stream: bool, flags: dict[str, bool]) -> list:
     def tensor(name, array, dtype):
         t = grpcclient.InferInput(name, list(array.shape), dtype)
         t.set_data_from_numpy(array)
@@ -219,7 +219,7 @@ def grpc_generate(stack, prompt: str, params: dict | str, stream: bool, headers:
                   **flags: bool) -> tuple[list, Exception | None]:
     """One request on its own gRPC stream: (responses carrying outputs, error or None). `flags` are more BOOL
     inputs (e.g. return_logprobs=True, exclude_input_in_output=False); `headers` go with the stream."""
-    return grpc_stream(stack, _grpc_inputs(prompt, params, stream, flags), headers)
+    return grpc_stream(stack, grpc_inputs(prompt, params, stream, flags), headers)
 
 
 def grpc_stream(stack, inputs: list, headers: dict[str, str] | None = None) -> tuple[list, Exception | None]:
@@ -237,7 +237,7 @@ def grpc_stream(stack, inputs: list, headers: dict[str, str] | None = None) -> t
             result, error = events.get(timeout=120)
             if error is not None:
                 return responses, error
-            if result.as_numpy("text_output") is not None:
+            if result.get_response().outputs:
                 responses.append(result)
             if result.get_response().parameters["triton_final_response"].bool_param:
                 return responses, None

@@ -165,3 +165,32 @@ def test_cancel_all_fails_every_waiting_call_with_its_error_and_cancels_them(tri
     assert isinstance(error, AdapterError) and error.status_code == 503 and "shutting down" in str(error)
     assert len(received) == prompts
     assert triton.wait_for_outcomes(before + prompts)[before:] == ["cancelled"] * prompts
+
+
+def test_while_an_instance_is_dead_only_its_silent_calls_fail(triton):
+    """A call's first response names its engine instance: while llm_0_0 is dead, its silent call gets the
+    retryable 503, and llm_0_1's call, silent as long (a long prefill on a busy host), goes on."""
+    async def run() -> tuple[object, bool]:
+        client = TritonClient(AdapterSettings(served_model_name=MODEL, triton_url=triton.url, idle_timeout_s=30))
+        calls = {instance: client.generate(GenerateRequest(Script(count=5, stall_after=1, instance=instance).prompt(),
+                                                           {}, stream=True), request_id=f"dead-{instance}")
+                 for instance in ("llm_0_0", "llm_0_1")}
+        for call in calls.values():
+            await anext(call)  # each has its first token and waits for the next
+        waits = {instance: asyncio.ensure_future(anext(call)) for instance, call in calls.items()}
+        client.health.mark_dead("llm_0_0", "killed by SIGKILL")
+        watch = asyncio.ensure_future(client.watch_engines())
+        await asyncio.wait(waits.values(), timeout=6)
+        alive_waiting = not waits["llm_0_1"].done()
+        dead_error = waits["llm_0_0"].exception() if waits["llm_0_0"].done() else None
+        watch.cancel()
+        waits["llm_0_1"].cancel()
+        await asyncio.gather(*waits.values(), return_exceptions=True)
+        for call in calls.values():
+            await call.aclose()
+        await client.close()
+        return dead_error, alive_waiting
+
+    dead_error, alive_waiting = asyncio.run(run())
+    assert isinstance(dead_error, AdapterError) and dead_error.status_code == 503 and "llm_0_0" in str(dead_error)
+    assert alive_waiting

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import subprocess
 import sys
 import time
@@ -12,12 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stack_helpers import grpc_generate, metric, wait_until_idle
+from stack_helpers import grpc_inputs, grpc_generate, grpc_stream, metric, wait_until_idle
 
 PROMPT = "The capital of France is"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -181,6 +184,44 @@ def test_client_disconnects_free_every_kv_block(stack):
     wait_until_idle(stack)
     generated = metric(stack, "tritonllm:generation_tokens_total") - generated_before
     assert 0 < generated < 400, generated  # all five together made less than one of them asked for
+
+
+def test_a_cancel_request_ends_the_request_it_names_and_its_stream_ends_by_itself(stack):
+    """What the adapter does for a client that left (tritonllm/interface/tensors.py, CANCEL_INPUT): the request
+    named ends at once with a cancelled error, its last response, so its gRPC stream ends without being cancelled;
+    the cancel request answers whether it found it; nothing is left in the engine."""
+    wait_until_idle(stack)
+    client = grpcclient.InferenceServerClient(stack.grpc_url)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    params = {"max_tokens": 400, "temperature": 0.7, "ignore_eos": True}
+    try:
+        client.async_stream_infer("llm", grpc_inputs(PROMPT, params, stream=True, flags={}),
+                                  request_id="long-one", enable_empty_final_response=True)
+        result, error = events.get(timeout=120)
+        assert error is None and result.as_numpy("finish_reason")[0] == b"None"  # it runs
+
+        def cancel(request_id: str) -> bool:
+            cancel_input = grpcclient.InferInput("cancel_request_id", [1], "BYTES")
+            cancel_input.set_data_from_numpy(np.array([request_id.encode()], dtype=np.object_))
+            [answer], error = grpc_stream(stack, [cancel_input])
+            assert error is None
+            return bool(answer.as_numpy("cancelled")[0])
+
+        assert cancel("long-one")
+        tokens = 1
+        while True:
+            result, error = events.get(timeout=30)
+            if error is not None:
+                break
+            assert not result.get_response().parameters["triton_final_response"].bool_param, "ended without error"
+            tokens += 1
+        assert "cancelled" in str(error) and tokens < 400
+        assert not cancel("long-one") and not cancel("never-sent")
+    finally:
+        client.stop_stream()
+        client.close()
+    wait_until_idle(stack)  # the engine holds nothing: no request, no KV block
 
 
 def test_engine_metrics_count_one_request_exactly(stack, client):

@@ -4,6 +4,7 @@ repository (the repo's config.pbtxt with engine parameters filled in), start, wa
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -165,7 +166,13 @@ def restriction_options(api_key: str | None) -> list[str]:
 
 # --- the server process -------------------------------------------------------------------------------------
 
+log = logging.getLogger(__name__)
+
 _STUB = "triton_python_backend_stub"
+_AFTER_ENGINES_S = 2.0
+"""Stopping, tritonserver gets this long to exit once every engine process has ended (each after its finalize).
+tritonserver 2.51 never finishes unloading a model version whose engine process died (that process's requests stay
+held), and would otherwise wait out its exit timeout for it."""
 _INSTANCE_NAME = re.compile(rf"^{MODEL_NAME}_\d+_\d+$")  # Triton's instance names: <model>_<group>_<index>
 
 
@@ -336,17 +343,33 @@ class TritonServer:
         threading.Thread(target=watch, name="tritonserver-watch", daemon=True).start()
 
     def stop(self, grace_s: float | None = None) -> None:
-        """SIGTERM, then SIGKILL to the whole process group (stubs included) after the grace period."""
+        """SIGTERM, then SIGKILL to the whole process group (stubs included) after the grace period, or
+        _AFTER_ENGINES_S after the last engine process ended."""
         self._stopping.set()
         if not self.is_running():
             return
-        grace_s = self.exit_timeout_s + 5 if grace_s is None else grace_s
+        deadline = time.monotonic() + (self.exit_timeout_s + 5 if grace_s is None else grace_s)
         self.process.terminate()
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        engines_ended = None  # when no engine process was left
+        while True:
+            try:
+                self.process.wait(0.2)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if self.engine_processes():
+                engines_ended = None
+            elif engines_ended is None:
+                engines_ended = now
+            elif now - engines_ended >= _AFTER_ENGINES_S:
+                log.warning("every engine has stopped but tritonserver still waits to unload a model version whose "
+                            "engine process died; ending it")
+                break
+            if now >= deadline:
+                break
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)

@@ -32,7 +32,7 @@ from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
 from tritonllm.interface.api_key import triton_headers
 from tritonllm.interface.errors import decode
-from tritonllm.interface.tensors import RUNNING
+from tritonllm.interface.tensors import CANCEL_INPUT, CANCEL_OUTPUT, RUNNING
 from tritonllm.adapter.engine_health import EngineHealth, dead_stub, engine_died
 from tritonllm.adapter.errors import AdapterError, from_kind, gateway_timeout, internal_error, service_unavailable
 from tritonllm.adapter.settings import AdapterSettings
@@ -59,10 +59,16 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_PROBE_INTERVAL_S = 1.0
 _SILENT_S = 2.0
-"""While an engine instance is dead, a call that has waited this long for its next response is failed: the dead
-instance will never answer it (which instance runs a call is Triton's secret, so a live one's call silent as long, in
-the queue or a long prefill, fails too, with the same retryable 503)."""
-_DEAD_ENGINE_RETRIES = 2  # a request a dead instance refused goes again this many times (Triton picks the instance)
+"""While an engine instance is dead, a call of it that has waited this long for its next response is failed: the dead
+instance will never answer it. A call's first response names its instance; one with none yet may run on any (a live
+one's, silent as long in the queue or a long prefill, fails too, with the same retryable 503)."""
+_DEAD_ENGINE_RETRIES = 16
+"""A request a dead instance refused (at once) goes again this many times: Triton hands each to whichever instance
+takes it first, and a dead one is always free, so with two instances it takes about half of them."""
+_CANCEL_RETRY_S = 0.05
+"""A call left before its stream ended is cancelled in the engine (CANCEL_INPUT), asked again this often while
+its stream goes on: the instance asked may not run it (Triton picks one), or not have it yet."""
+_ABANDONED_S = 2.0  # then its gRPC stream is cancelled after all
 
 
 class _EngineDied(Exception):
@@ -150,6 +156,54 @@ class TokenizedPrompt:
     max_model_len: int
 
 
+def _instance_of(result: InferResult) -> str:
+    """The engine instance a request's first response names ("" if none does)."""
+    response = result.get_response()
+    for index, output in enumerate(response.outputs):
+        if output.name == "model_instance":
+            return _decode(output.datatype, response.raw_output_contents[index])[0].decode()
+    return ""
+
+
+class _Responses:
+    """One gRPC stream's (result, error) pairs, read by a task of its own into a queue. Who waits for them may be
+    cancelled (a client gone, a timeout) without cancelling the stream: a cancelled read would cancel the gRPC call,
+    and tritonserver 2.51 can leak a stream cancelled while it writes a response (see CANCEL_INPUT)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream  # tritonclient's stream_infer iterator
+        self._queue: asyncio.Queue = asyncio.Queue()  # (result, error) pairs, then None or the exception that ended it
+        self.instance: str | None = None  # the engine instance that runs the request, once its first response came
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for response in self._stream:
+                if self.instance is None and response[0] is not None:
+                    self.instance = _instance_of(response[0])
+                self._queue.put_nowait(response)
+            self._queue.put_nowait(None)
+        except Exception as error:  # the call failed, or was cancelled
+            self._queue.put_nowait(error)
+
+    async def next(self) -> tuple | None:
+        """The next (result, error); None once the stream has ended. Raises what ended it otherwise."""
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def ended(self) -> bool:
+        return self._reader.done()
+
+    async def ended_within(self, seconds: float) -> bool:
+        await asyncio.wait([self._reader], timeout=seconds)
+        return self.ended()
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
 class TritonClient:
     """Owns the gRPC channel to tritonserver."""
 
@@ -160,8 +214,9 @@ class TritonClient:
         # With an API key, Triton requires its header on every call but health (tritonllm/interface/api_key.py).
         self._headers = triton_headers(settings.api_key)
         self._refusal: AdapterError | None = None  # set by cancel_all: what every call gets from then on
-        self._waiting: dict[asyncio.Task, float] = {}  # the tasks waiting for a response now → since (monotonic)
+        self._waiting: dict[asyncio.Task, tuple[float, _Responses]] = {}  # tasks waiting for a response → since, what
         self._refused: dict[asyncio.Task, AdapterError] = {}  # those of them failed by us → with what
+        self._abandoned: set[asyncio.Task] = set()  # cancelling the requests of calls left early (_end_abandoned)
 
     def cancel_all(self, error: AdapterError) -> None:
         """Fail every call in flight, and every later one, with `error` (their Triton requests are cancelled)."""
@@ -186,7 +241,8 @@ class TritonClient:
             dead = self.health.dead()
             if dead:
                 now = time.monotonic()
-                self._refuse([task for task, since in self._waiting.items() if now - since >= _SILENT_S],
+                self._refuse([task for task, (since, responses) in self._waiting.items()
+                              if now - since >= _SILENT_S and (not responses.instance or responses.instance in dead)],
                              engine_died(", ".join(sorted(dead))))
 
     async def probe(self) -> None:
@@ -200,6 +256,8 @@ class TritonClient:
             logger.exception("probing the model failed")
 
     async def close(self) -> None:
+        if self._abandoned:  # let the requests of calls left early end in the engine first
+            await asyncio.wait(list(self._abandoned), timeout=_ABANDONED_S)
         await self._client.close()
 
     async def is_ready(self) -> bool:
@@ -237,13 +295,20 @@ class TritonClient:
         if sampling_parameters is not None:
             inputs.append(_tensor("sampling_parameters", _bytes_array(json.dumps(sampling_parameters)), "BYTES"))
         async with aclosing(self._stream(inputs, request_id)) as results:
-            async for result in results:
-                outputs = _Outputs(result)
-                return TokenizedPrompt(token_ids=outputs.ints("prompt_token_ids"),
-                                       token_strs=outputs.strings("prompt_token_strs"),
-                                       text=outputs.strings("text_output")[0],
-                                       max_model_len=outputs.ints("max_model_len")[0])
-        raise internal_error("Triton answered a tokenize_only request with no response.")
+            answers = [_Outputs(result) async for result in results]  # one; read to the stream's end
+        if not answers:
+            raise internal_error("Triton answered a tokenize_only request with no response.")
+        outputs = answers[0]
+        return TokenizedPrompt(token_ids=outputs.ints("prompt_token_ids"),
+                               token_strs=outputs.strings("prompt_token_strs"), text=outputs.strings("text_output")[0],
+                               max_model_len=outputs.ints("max_model_len")[0])
+
+    async def _cancel_request(self, request_id: str) -> bool:
+        """Cancel the request in flight with this id in the engine instance Triton picks; whether it ran there."""
+        inputs = [_tensor(CANCEL_INPUT, _bytes_array(request_id), "BYTES")]
+        answers = [_Outputs(result) async for result in self._call(inputs, f"cancel-{uuid.uuid4().hex}",
+                                                                      is_cancel=True)]
+        return bool(answers and answers[0].ints(CANCEL_OUTPUT)[0])
 
     async def _stream(self, inputs: list[InferInput], request_id: str) -> AsyncIterator[InferResult]:
         """The responses of one request to the model, each as it arrives; sent again when a dead engine instance
@@ -262,18 +327,21 @@ class TritonClient:
                 if answered or attempt == _DEAD_ENGINE_RETRIES:
                     raise engine_died(died.instance) from None
 
-    async def _call(self, inputs: list[InferInput], request_id: str) -> AsyncIterator[InferResult]:
-        """The responses of one request to the model (one gRPC stream), each as it arrives."""
-        if self._refusal is not None:
+    async def _call(self, inputs: list[InferInput], request_id: str, is_cancel: bool = False
+                    ) -> AsyncIterator[InferResult]:
+        """The responses of one request to the model (one gRPC stream), each as it arrives. Left before the stream's
+        end (a consumer gone, a timeout, an error), the request is cancelled in the engine, so the stream ends by
+        itself. A cancel request (`is_cancel`) goes even after cancel_all, and its stream is cancelled if left."""
+        if self._refusal is not None and not is_cancel:
             raise self._refusal
         request = {"model_name": self._settings.triton_model, "inputs": inputs, "request_id": request_id}
 
         async def requests() -> AsyncIterator[dict]:
             yield request
 
-        responses = self._client.stream_infer(requests(), headers=self._headers)
+        responses = _Responses(self._client.stream_infer(requests(), headers=self._headers))
         try:
-            while (response := await self._next_response(responses)) is not None:
+            while (response := await self._next_response(responses, refusable=not is_cancel)) is not None:
                 result, error = response
                 if error is not None:
                     if (instance := dead_stub(error.message())) is not None:
@@ -283,24 +351,44 @@ class TritonClient:
         except grpc.aio.AioRpcError as error:
             raise self._error_from_rpc(error) from None
         finally:
-            # A cancelled read already cancels the call inside grpc, but a generator closed while suspended
-            # at `yield` (consumer gone between responses) does not: cancel explicitly so Triton's
-            # request.is_cancelled() turns true. It is a no-op when the stream has already ended.
-            responses.cancel()
+            if not responses.ended():
+                if not is_cancel:
+                    task = asyncio.get_running_loop().create_task(self._end_abandoned(responses, request_id))
+                    self._abandoned.add(task)
+                    task.add_done_callback(self._abandoned.discard)
+                else:
+                    responses.cancel()
 
-    async def _next_response(self, responses) -> tuple | None:
+    async def _end_abandoned(self, responses: _Responses, request_id: str) -> None:
+        """Cancel an abandoned call's request in the engine until its stream ends (its final response is the
+        cancellation's error); cancel the stream itself only if that takes over _ABANDONED_S."""
+        deadline = time.monotonic() + _ABANDONED_S
+        try:
+            while not await responses.ended_within(_CANCEL_RETRY_S) and time.monotonic() < deadline:
+                try:
+                    if await asyncio.wait_for(self._cancel_request(request_id), deadline - time.monotonic()):
+                        await responses.ended_within(max(0.0, deadline - time.monotonic()))
+                except (AdapterError, _EngineDied, TimeoutError):  # a dead or stuck instance: the deadline decides
+                    pass
+        finally:
+            if not responses.ended():
+                logger.info("request %s did not end %.0f s after it was cancelled; cancelling its stream",
+                            request_id, _ABANDONED_S)
+                responses.cancel()
+
+    async def _next_response(self, responses: _Responses, refusable: bool = True) -> tuple | None:
         """The call's next (result, error); None once it has ended. Raises the idle timeout's 504, or cancel_all's
-        error. Either cancels the read, which cancels the gRPC call. (It waits in the caller's task, under a
-        timeout: a task per response cost the adapter as much as parsing the response.)"""
+        error. Either cancels the wait, not the gRPC call: its reader task goes on (_Responses). A cancel request
+        (not `refusable`) is neither timed nor refused here: its caller bounds it."""
+        if not refusable:
+            return await responses.next()
         if self._refusal is not None:
             raise self._refusal
         waiting = asyncio.current_task()
-        self._waiting[waiting] = time.monotonic()
+        self._waiting[waiting] = (time.monotonic(), responses)
         try:
             async with asyncio.timeout(self._settings.idle_timeout_s):
-                return await anext(responses)
-        except StopAsyncIteration:
-            return None
+                return await responses.next()
         except TimeoutError:
             raise gateway_timeout(f"Triton sent nothing for {self._settings.idle_timeout_s} s (the idle timeout: "
                                   "no token for that long).") from None

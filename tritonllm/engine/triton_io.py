@@ -12,7 +12,8 @@ import numpy as np
 
 from tritonllm.interface.errors import InvalidRequest
 from tritonllm.interface.parameters import SamplingParams
-from tritonllm.interface.tensors import CHAT_ROLES, RETURN_FLAGS, RUNNING, chat_template_conflict, message_text
+from tritonllm.interface.tensors import (CANCEL_INPUT, CANCEL_OUTPUT, CHAT_ROLES, RETURN_FLAGS, RUNNING,
+                                        chat_template_conflict, message_text)
 from tritonllm.interface.tools import template_message, tool_spec
 from tritonllm.engine.processing.input_processor import PromptOptions, TokenizedPrompt
 from tritonllm.engine.processing.outputs import RequestOutput, TokenLogprob
@@ -157,6 +158,21 @@ def parse_request(inputs: dict[str, np.ndarray | None]) -> ParsedRequest:
     )
 
 
+def cancel_target(inputs: dict[str, np.ndarray | None]) -> str | None:
+    """The Triton request id a cancel request names (CANCEL_INPUT), or None for any other request."""
+    target = _scalar(inputs.get(CANCEL_INPUT), CANCEL_INPUT)
+    if target is None:
+        return None
+    if not (target := _text(target, CANCEL_INPUT)):
+        raise InvalidRequest(f"{CANCEL_INPUT} must name a request: it is empty")
+    return target
+
+
+def cancel_tensors(cancelled: bool) -> dict[str, np.ndarray]:
+    """The one response of a cancel request."""
+    return {CANCEL_OUTPUT: np.array([cancelled], dtype=np.bool_)}
+
+
 def tokenized_tensors(tokenized: TokenizedPrompt, max_model_len: int) -> dict[str, np.ndarray]:
     """The one response of a tokenize_only request (TOKENIZE_OUTPUTS)."""
     return {
@@ -182,9 +198,10 @@ class ResponseBuilder:
     streamed one gathers its next chunk: a response once a choice has `stream_interval` new tokens, the first and
     the last at once)."""
 
-    def __init__(self, request: ParsedRequest, stream_interval: int = 1):
+    def __init__(self, request: ParsedRequest, stream_interval: int = 1, instance: str = ""):
         self.request = request
         self.stream_interval = stream_interval
+        self.instance = instance  # the engine instance's name, in the first response
         self.streamed = False  # whether a streamed response went out yet
         count = request.params.num_sequences
         self.texts = [""] * count
@@ -268,6 +285,8 @@ class ResponseBuilder:
             return np.array([values[i].encode("utf-8") for i in kept], dtype=np.object_)
 
         tensors = {"text_output": strings(self.texts)}
+        if not self.streamed and self.instance:
+            tensors["model_instance"] = np.array([self.instance.encode()], dtype=np.object_)
         wanted = self.request.returns
         if "finish_reason" in wanted:
             tensors["finish_reason"] = strings(self.finish_reasons)

@@ -16,13 +16,19 @@ PROMPT_OPTIONS = ("add_special_tokens", "add_generation_prompt", "continue_final
 TOOL_INPUTS = ("tools", "tool_choice", "parallel_tool_calls")
 """messages: OpenAI's tools (a JSON list), tool_choice (none, auto, required, or a JSON object naming a function),
 parallel_tool_calls (BOOL): see tritonllm/interface/tools.py."""
+CANCEL_INPUT = "cancel_request_id"
+"""A request with only this input cancels the request in flight with that Triton request id (it ends with a
+cancelled error, its last response); its one response is CANCEL_OUTPUT. It lets a client end a request without
+cancelling its gRPC stream: tritonserver 2.51's gRPC frontend can leak the state of a stream cancelled while a
+response is written, and a leaked stream keeps the model loaded, so a later stop waits out the exit timeout."""
+CANCEL_OUTPUT = "cancelled"  # BOOL [1]: whether that request was in flight on this instance
 INPUTS = PROMPT_INPUTS + ("stream", "sampling_parameters", "exclude_input_in_output") + RETURN_FLAGS + \
-    PROMPT_OPTIONS + TOOL_INPUTS + ("tokenize_only",)
+    PROMPT_OPTIONS + TOOL_INPUTS + ("tokenize_only", CANCEL_INPUT)
 
 OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
            "num_cached_tokens", "matched_stop", "prompt_logprobs", "hidden_states", "prompt_hidden_states",
            "routed_experts", "token_ids", "prompt_token_ids", "prompt_token_strs", "max_model_len", "tool_calls",
-           "reasoning_output", "num_reasoning_tokens", "cached_tokens_details")
+           "reasoning_output", "num_reasoning_tokens", "cached_tokens_details", CANCEL_OUTPUT, "model_instance")
 TOKENIZE_OUTPUTS = ("text_output", "prompt_token_ids", "prompt_token_strs", "num_input_tokens", "max_model_len")
 """The one response of a `tokenize_only` request: the prompt's text and tokens, nothing generated."""
 

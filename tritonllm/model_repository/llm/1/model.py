@@ -30,7 +30,8 @@ from tritonllm.interface.tensors import INPUTS, FinishReason
 from tritonllm.engine.llm_engine import EngineParts
 from tritonllm.parent_death import watch_parent
 from tritonllm.engine.processing.outputs import RequestOutput
-from tritonllm.engine.triton_io import ResponseBuilder, parse_request, tokenized_tensors
+from tritonllm.engine.triton_io import (ResponseBuilder, cancel_target, cancel_tensors, parse_request,
+                                        tokenized_tensors)
 from tritonllm.engine.triton_metrics import EngineMetrics, RequestTracker
 
 log = logging.getLogger("tritonllm.model")
@@ -57,6 +58,7 @@ class _InFlight:
     sender: object  # pb_utils.InferenceResponseSender
     builder: ResponseBuilder
     tracker: RequestTracker
+    triton_id: str  # the client's id for it (Triton's request id), which a cancel request names
 
 
 class TritonPythonModel:
@@ -79,6 +81,7 @@ class TritonPythonModel:
         self.parts = EngineParts.create(config, start_core=self.core.start)  # the core is built on its own thread
         self.inputs = self.parts.inputs  # used on Triton's thread only
         self.stream_interval = config.stream_interval
+        self.instance = args["model_instance_name"]
         self.outputs = self.parts.outputs  # used on the responder thread only
         # Each instance is its own engine: its metrics carry its instance name (e.g. llm_0_1). Made only once the
         # engine is built: a failed load gets no finalize(), and a metric the stub frees itself segfaults it (below).
@@ -99,7 +102,11 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         request_id = uuid.uuid4().hex
         try:
-            parsed = parse_request({name: self._input(request, name) for name in INPUTS})
+            inputs = {name: self._input(request, name) for name in INPUTS}
+            if (target := cancel_target(inputs)) is not None:
+                self.mailbox.put(lambda: self._cancel(target, sender))
+                return
+            parsed = parse_request(inputs)
             if parsed.tokenize_only:  # answered at once: nothing reaches the core
                 tokenized = self.inputs.tokenize(parsed.prompt, parsed.options, parsed.params.lora_path)
                 tensors = tokenized_tensors(tokenized, self.inputs.limits.capacity)
@@ -113,8 +120,8 @@ class TritonPythonModel:
             self.mailbox.put(lambda: self._send_final_error(sender, error))
             return
         # Registered before the core sees it: the mailbox is FIFO, so its outputs arrive after this.
-        entry = _InFlight(sender, ResponseBuilder(parsed, self.stream_interval), RequestTracker(
-            arrived, len(core_request.prompt_token_ids), core_request.params.num_sequences))
+        entry = _InFlight(sender, ResponseBuilder(parsed, self.stream_interval, self.instance), RequestTracker(
+            arrived, len(core_request.prompt_token_ids), core_request.params.num_sequences), request.request_id())
         self.mailbox.put(lambda: self._register(request_id, entry, core_request))
         try:
             self.core.submit(core_request)
@@ -189,6 +196,14 @@ class TritonPythonModel:
             if not output.finished:
                 self._finish(output.request_id, RuntimeError(f"sending a response failed: {exc}"))
 
+    def _cancel(self, triton_id: str, sender):
+        """A cancel request: end the requests in flight with that Triton request id, then answer whether any was."""
+        cancelled = [request_id for request_id, entry in self.in_flight.items() if entry.triton_id == triton_id]
+        for request_id in cancelled:
+            self.core.abort(request_id)
+            self._finish(request_id, Cancelled(_CANCELLED))
+        self._send_final(sender, cancel_tensors(bool(cancelled)))
+
     def _finish(self, request_id: str, error: Exception):
         """End a request with an error response, its last."""
         self.outputs.abort(request_id)
@@ -201,7 +216,7 @@ class TritonPythonModel:
         try:
             sender.send(_response(tensors), flags=_FINAL)
         except Exception:  # the client may be gone already
-            log.debug("could not send a tokenize_only response")
+            log.debug("could not send a final response")
 
     @staticmethod
     def _send_final_error(sender, error):
