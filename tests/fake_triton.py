@@ -1,8 +1,8 @@
 """A stand-in tritonserver for adapter tests that need time to pass on a real gRPC stream (deadlines, shutdown):
 it answers readiness and streams `count` one-token responses of the `llm` model, `interval_s` apart, then a final
 one (finish_reason "length"); with `stall_after` it goes silent after that many tokens. The prompt (`text_input`)
-is that script as JSON; the first response names the script's engine instance; a tokenize_only probe gets the
-prompt back. Like the model, it answers a `cancel_request_id` request by ending that request with an error. It
+is that script as JSON; with return_model_instance, a first response names the script's engine instance; a
+tokenize_only probe gets the prompt back. Like the model, it answers a `cancel_request_id` request by ending that request with an error. It
 records how each request ended: "completed", "cancelled" (by a cancel request), or "stream cancelled" (the client
 cancelled its gRPC call, which the adapter must not do: tritonllm/interface/tensors.py, CANCEL_INPUT)."""
 
@@ -27,7 +27,7 @@ class Script:
     count: int = 3
     interval_s: float = 0.0
     stall_after: int | None = None
-    instance: str = "llm_0_0"  # the engine instance the first response names
+    instance: str = "llm_0_0"  # the engine instance that takes the request
 
     def prompt(self) -> str:
         return json.dumps({"count": self.count, "interval_s": self.interval_s, "stall_after": self.stall_after,
@@ -90,17 +90,14 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
             # A call cancelled while this generator waits at a `yield` is never resumed: its outcome is
             # recorded when the call ends, whatever ends it.
             context.add_callback(lambda request_id=request.id: self._record_first(request_id, "stream cancelled"))
+            if any(tensor.name == "return_model_instance" for tensor in request.inputs):
+                yield _outputs(request.id, [_tensor("model_instance", "BYTES", script.instance)])
             for index in range(script.count):
                 if script.stall_after is not None and index >= script.stall_after:
                     break
                 if not self._sleep(script.interval_s, context, cancelled):
                     break
-                response = _response(request.id, f" t{index}", "None", 1)
-                if index == 0:
-                    response.infer_response.outputs.append(_tensor("model_instance", "BYTES", script.instance)[0])
-                    response.infer_response.raw_output_contents.append(_tensor("model_instance", "BYTES",
-                                                                               script.instance)[1])
-                yield response
+                yield _response(request.id, f" t{index}", "None", 1)
             else:
                 self._record_first(request.id, "completed")
                 yield _response(request.id, "", "length", 0)

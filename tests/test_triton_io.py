@@ -11,7 +11,7 @@ from tritonllm.interface.errors import InvalidRequest
 from tritonllm.interface.tensors import TOKENIZE_OUTPUTS
 from tritonllm.engine.processing.input_processor import PromptOptions, TokenizedPrompt
 from tritonllm.engine.processing.outputs import ChoiceDelta, RequestOutput, TokenLogprob
-from tritonllm.engine.triton_io import (ResponseBuilder, cancel_target, cancel_tensors, parse_request,
+from tritonllm.engine.triton_io import (ResponseBuilder, cancel_target, cancel_tensors, instance_tensors, parse_request,
                                         tokenized_tensors)
 
 
@@ -205,14 +205,10 @@ def test_prompt_options_and_tokenize_only_are_read():
             tensors["max_model_len"].tolist()) == ([b" ab"], [2], [128])
 
 
-def test_the_first_response_names_the_engine_instance():
-    streaming = ResponseBuilder(parse_request(inputs({"n": 1}, stream=True)), instance="llm_0_1")
-    first = streaming.on_output(RequestOutput("r", [ChoiceDelta(0, "a", [], 0.0, 1, None)], 3, 0, False))
-    second = streaming.on_output(RequestOutput("r", [ChoiceDelta(0, "b", [], 0.0, 2, "length")], 3, 0, True))
-    assert first["model_instance"].tolist() == [b"llm_0_1"] and "model_instance" not in second
-    whole = ResponseBuilder(parse_request(inputs({"n": 1})), instance="llm_0_1")
-    assert whole.on_output(RequestOutput("r", [ChoiceDelta(0, "a", [], 0.0, 1, "length")], 3, 0, True)
-                           )["model_instance"].tolist() == [b"llm_0_1"]
+def test_the_engine_instance_is_named_when_asked():
+    assert "model_instance" in parse_request(inputs(None, return_model_instance=True)).returns
+    assert {name: array.tolist() for name, array in instance_tensors("llm_0_1").items()} == {
+        "model_instance": [b"llm_0_1"]}
 
 
 def test_a_cancel_request_names_its_target_and_is_answered_with_one_flag():

@@ -53,6 +53,7 @@ _ALWAYS_RETURNED = (
     "return_num_output_tokens",
     "return_num_cached_tokens",
     "return_matched_stop",
+    "return_model_instance",  # read by _Responses, never passed on
 )
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ logger = logging.getLogger(__name__)
 _ENGINE_PROBE_INTERVAL_S = 1.0
 _SILENT_S = 2.0
 """While an engine instance is dead, a call of it that has waited this long for its next response is failed: the dead
-instance will never answer it. A call's first response names its instance; one with none yet may run on any (a live
-one's, silent as long in the queue or a long prefill, fails too, with the same retryable 503)."""
+instance will never answer it. The engine names the instance that takes a generation request (return_model_instance);
+one not yet taken may go to any (a live one's, silent as long in Triton's queue, fails too, with the same retryable
+503)."""
 _DEAD_ENGINE_RETRIES = 16
 """A request a dead instance refused (at once) goes again this many times: Triton hands each to whichever instance
 takes it first, and a dead one is always free, so with two instances it takes about half of them."""
@@ -156,13 +158,12 @@ class TokenizedPrompt:
     max_model_len: int
 
 
-def _instance_of(result: InferResult) -> str:
-    """The engine instance a request's first response names ("" if none does)."""
+def _announced_instance(result: InferResult) -> str | None:
+    """The engine instance a return_model_instance response names; None for any other response."""
     response = result.get_response()
-    for index, output in enumerate(response.outputs):
-        if output.name == "model_instance":
-            return _decode(output.datatype, response.raw_output_contents[index])[0].decode()
-    return ""
+    if len(response.outputs) != 1 or response.outputs[0].name != "model_instance":
+        return None
+    return _decode(response.outputs[0].datatype, response.raw_output_contents[0])[0].decode()
 
 
 class _Responses:
@@ -173,14 +174,15 @@ class _Responses:
     def __init__(self, stream) -> None:
         self._stream = stream  # tritonclient's stream_infer iterator
         self._queue: asyncio.Queue = asyncio.Queue()  # (result, error) pairs, then None or the exception that ended it
-        self.instance: str | None = None  # the engine instance that runs the request, once its first response came
+        self.instance: str | None = None  # the engine instance that took the request, once it said so
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
         try:
             async for response in self._stream:
-                if self.instance is None and response[0] is not None:
-                    self.instance = _instance_of(response[0])
+                if response[0] is not None and (instance := _announced_instance(response[0])) is not None:
+                    self.instance = instance
+                    continue
                 self._queue.put_nowait(response)
             self._queue.put_nowait(None)
         except Exception as error:  # the call failed, or was cancelled

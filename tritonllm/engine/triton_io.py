@@ -168,6 +168,11 @@ def cancel_target(inputs: dict[str, np.ndarray | None]) -> str | None:
     return target
 
 
+def instance_tensors(instance: str) -> dict[str, np.ndarray]:
+    """The first response of a request that asked for return_model_instance."""
+    return {"model_instance": np.array([instance.encode()], dtype=np.object_)}
+
+
 def cancel_tensors(cancelled: bool) -> dict[str, np.ndarray]:
     """The one response of a cancel request."""
     return {CANCEL_OUTPUT: np.array([cancelled], dtype=np.bool_)}
@@ -198,10 +203,9 @@ class ResponseBuilder:
     streamed one gathers its next chunk: a response once a choice has `stream_interval` new tokens, the first and
     the last at once)."""
 
-    def __init__(self, request: ParsedRequest, stream_interval: int = 1, instance: str = ""):
+    def __init__(self, request: ParsedRequest, stream_interval: int = 1):
         self.request = request
         self.stream_interval = stream_interval
-        self.instance = instance  # the engine instance's name, in the first response
         self.streamed = False  # whether a streamed response went out yet
         count = request.params.num_sequences
         self.texts = [""] * count
@@ -285,8 +289,6 @@ class ResponseBuilder:
             return np.array([values[i].encode("utf-8") for i in kept], dtype=np.object_)
 
         tensors = {"text_output": strings(self.texts)}
-        if not self.streamed and self.instance:
-            tensors["model_instance"] = np.array([self.instance.encode()], dtype=np.object_)
         wanted = self.request.returns
         if "finish_reason" in wanted:
             tensors["finish_reason"] = strings(self.finish_reasons)

@@ -6,8 +6,9 @@ from enum import StrEnum
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")  # exactly one carries the prompt
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
                 "return_num_output_tokens", "return_num_cached_tokens", "return_matched_stop", "return_token_ids",
-                "return_prompt_token_ids", "return_cached_tokens_details")
-"""Each adds the output of its name without "return_"."""
+                "return_prompt_token_ids", "return_cached_tokens_details", "return_model_instance")
+"""Each adds the output of its name without "return_". return_model_instance adds a first response of its own,
+with only model_instance (the engine instance that took the request), sent as the engine takes it."""
 CACHE_TIERS = ("device", "host", "storage")
 """The KV cache's tiers (tritonllm/engine/core/kv_tiers.py): the order of `cached_tokens_details`'s counts."""
 STORAGE_BACKEND = "file"  # what the storage tier is, as SGLang's cached_tokens_details names it

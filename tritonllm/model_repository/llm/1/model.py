@@ -30,8 +30,8 @@ from tritonllm.interface.tensors import INPUTS, FinishReason
 from tritonllm.engine.llm_engine import EngineParts
 from tritonllm.parent_death import watch_parent
 from tritonllm.engine.processing.outputs import RequestOutput
-from tritonllm.engine.triton_io import (ResponseBuilder, cancel_target, cancel_tensors, parse_request,
-                                        tokenized_tensors)
+from tritonllm.engine.triton_io import (ResponseBuilder, cancel_target, cancel_tensors, instance_tensors,
+                                        parse_request, tokenized_tensors)
 from tritonllm.engine.triton_metrics import EngineMetrics, RequestTracker
 
 log = logging.getLogger("tritonllm.model")
@@ -120,7 +120,7 @@ class TritonPythonModel:
             self.mailbox.put(lambda: self._send_final_error(sender, error))
             return
         # Registered before the core sees it: the mailbox is FIFO, so its outputs arrive after this.
-        entry = _InFlight(sender, ResponseBuilder(parsed, self.stream_interval, self.instance), RequestTracker(
+        entry = _InFlight(sender, ResponseBuilder(parsed, self.stream_interval), RequestTracker(
             arrived, len(core_request.prompt_token_ids), core_request.params.num_sequences), request.request_id())
         self.mailbox.put(lambda: self._register(request_id, entry, core_request))
         try:
@@ -160,6 +160,11 @@ class TritonPythonModel:
         self.in_flight[request_id] = entry
         self.outputs.add_request(request_id, core_request.prompt_token_ids, core_request.params,
                                  entry.builder.request.options.tools, core_request.reasoning_start)
+        if "model_instance" in entry.builder.request.returns:
+            try:
+                entry.sender.send(_response(instance_tensors(self.instance)))
+            except Exception:  # the client may be gone already: the poll finds it cancelled
+                log.debug("could not send request %s's first response", request_id)
 
     def _on_core_outputs(self, outputs: list[CoreOutput]):
         for core_output in outputs:
