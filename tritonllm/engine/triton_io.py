@@ -278,10 +278,11 @@ class ResponseBuilder:
             self.reasoning = [""] * count
 
     def _kept_choices(self) -> list[int]:
-        """All choices, or with best_of the n most likely (by cumulative logprob), best first."""
+        """All choices, or with best_of the n most likely (by cumulative logprob), best first (beam search's come
+        best first already)."""
         count, n = self.request.params.num_sequences, self.request.params.n
-        if count == n:
-            return list(range(count))
+        if count == n or self.request.params.use_beam_search:
+            return list(range(n))
         return sorted(range(count), key=lambda i: self.cumulative_logprobs[i], reverse=True)[:n]
 
     def _tensors(self, output: RequestOutput, kept: list[int]) -> dict[str, np.ndarray]:

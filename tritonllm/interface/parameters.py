@@ -21,6 +21,11 @@ from tritonllm.interface.errors import InvalidRequest
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1  # Triton's input_ids tensor is INT32
 CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")  # at most one per request
+BEAM_SEARCH_EXCLUDES = (*CONSTRAINTS, "stop", "stop_regex", "logit_bias", "allowed_token_ids", "frequency_penalty",
+                        "presence_penalty", "repetition_penalty", "return_hidden_states",
+                        "return_prompt_hidden_states", "return_routed_experts")
+"""Parameters that must keep their default with use_beam_search: they would change or cut a beam's tokens after
+it is ranked, or return what beams do not keep."""
 
 JsonText = NewType("JsonText", str)
 """A JSON object as text; clients may send the object itself."""
@@ -223,6 +228,12 @@ class SamplingParams:
     return_prompt_hidden_states: bool = parameter(False, "each prompt token's final hidden state too (echo)")
     return_routed_experts: bool = parameter(False, "MoE models: each generated token's experts per layer "
                                             "(SGLang's)")
+    use_beam_search: bool = parameter(False, "beam search (vLLM's) over max(n, best_of) beams, the n best returned; "
+                                      "not streamed; temperature and top-k/top-p/min-p play no part in it")
+    length_penalty: float = parameter(1.0, "beam search: a finished beam's score is its cumulative logprob / "
+                                      "(its generated tokens ** length_penalty)")
+    early_stopping: bool = parameter(False, "beam search: stop once max(n, best_of) beams have finished (false: "
+                                     "once no running beam can beat the worst finished one)")
 
     @property
     def greedy(self) -> bool:
@@ -284,6 +295,8 @@ class SamplingParams:
         constraints = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(constraints) > 1:
             raise InvalidRequest(f"only one constraint per request: got {' and '.join(constraints)}", constraints[1])
+        if self.use_beam_search:
+            self._check_beam_search()
         for pattern in self.stop_regex:
             try:
                 regex.compile(pattern)
@@ -291,8 +304,21 @@ class SamplingParams:
                 raise InvalidRequest(f"stop_regex {pattern!r} is not a valid regular expression: {exc}",
                                      "stop_regex") from None
 
+    def _check_beam_search(self) -> None:
+        """What beam search does not combine with: anything that changes or cuts a beam's tokens, and outputs it
+        does not keep per beam. (vLLM ignores most of them; a 400 says so instead.)"""
+        if self.max_tokens == 0:
+            raise InvalidRequest("use_beam_search needs max_tokens >= 1", "max_tokens")
+        refused = [name for name in BEAM_SEARCH_EXCLUDES if getattr(self, name) != PARAMETERS[name].default]
+        if refused:
+            raise InvalidRequest(f"{refused[0]} cannot be combined with use_beam_search", refused[0])
+
     def check_streamable(self) -> None:
-        """A streamed request cannot use best_of > n: the best choices are known only at the end."""
+        """A streamed request cannot use best_of > n, nor beam search: the best choices are known only at the
+        end."""
+        if self.use_beam_search:
+            raise InvalidRequest("use_beam_search cannot be streamed: the best beams are known only at the end",
+                                 "use_beam_search")
         if self.num_sequences > self.n:
             raise InvalidRequest("best_of > n cannot be streamed: the best choices are known only at the end",
                                  "best_of")

@@ -159,6 +159,17 @@ class BlockManager:
                     self.storage.offer(key, tokens, block)
             seq.full_block_keys.append(key)
 
+    def share_full_blocks(self, parent: Sequence, child: Sequence) -> None:
+        """Give a forked sequence its parent's computed full blocks (one more reference each); it computes the rest
+        (its partial last block) itself."""
+        assert not child.block_table
+        shared = parent.num_computed_tokens // self.block_size
+        for block in parent.block_table[:shared]:
+            self.ref_counts[block] += 1
+        child.block_table = parent.block_table[:shared]
+        child.full_block_keys = parent.full_block_keys[:shared]
+        child.num_computed_tokens = shared * self.block_size
+
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1

@@ -16,12 +16,13 @@ from typing import Callable
 import torch
 
 from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core.beam_search import BeamSearch, Continuation, offer_continuations
 from tritonllm.engine.core.block_manager import BlockManager
 from tritonllm.engine.core.core_messages import AbortAll, AbortRequest, AddRequest, CoreMessage
 from tritonllm.engine.core.kv_tiers import DeviceBlocks, HostTier, StorageTier, host_tier_bytes
 from tritonllm.engine.core.model_runner import ModelRunner, PromptHiddenStates, PromptLogits
 from tritonllm.engine.core.prefix_keys import files_digest, model_key
-from tritonllm.engine.core.sampler import Sampler, score
+from tritonllm.engine.core.sampler import Sampler, score, stop_tokens
 from tritonllm.engine.core.scheduler import ScheduledSequence, Scheduler
 from tritonllm.engine.core.sequence import CoreOutput, CoreRequest, SampledToken, Sequence, SequenceUpdate
 from tritonllm.engine.core.structured_output import advance
@@ -128,13 +129,17 @@ class EngineCore:
     def add_request(self, request: CoreRequest) -> None:
         if request.request_id in self._requests:
             raise InvalidRequest(f"duplicate request id {request.request_id!r}")
-        for index in range(request.params.num_sequences):
+        # a beam search starts from one sequence (its prompt computed once), forked once its continuations are known
+        for index in range(1 if request.params.use_beam_search else request.params.num_sequences):
             generator = torch.Generator(device=self.runner.device)
             if request.params.seed is None:
                 generator.seed()
             else:
                 generator.manual_seed(request.params.seed + index)
             request.sequences.append(Sequence(request, index, generator))
+        if request.params.use_beam_search:
+            request.beams = BeamSearch.start(request.sequences[0],
+                                             len(stop_tokens(request.params, self.eos_token_ids)))
         self._requests[request.request_id] = request
         request.queued_at = time.monotonic()
         self.num_prompt_tokens += len(request.prompt_token_ids)
@@ -217,7 +222,10 @@ class EngineCore:
         for seq in sample_seqs:
             if seq.request.max_tokens == 0:
                 seq.finish_reason = FinishReason.LENGTH
-        generating = [i for i, seq in enumerate(sample_seqs) if seq.finish_reason is None]
+        beams = [i for i, seq in enumerate(sample_seqs) if seq.request.beams is not None]
+        if beams:
+            self._step_beams(logits[beams], [sample_seqs[i] for i in beams], failed)
+        generating = [i for i, seq in enumerate(sample_seqs) if seq.finish_reason is None and seq.request.beams is None]
         if generating:
             for i, sampled in zip(generating, self._sample(logits[generating], [sample_seqs[i] for i in generating],
                                                            failed)):
@@ -240,6 +248,49 @@ class EngineCore:
                 self._emit(self._requests[request_id], seqs, outputs)
         outputs.extend(self.fail_request(request_id, exc) for request_id, exc in failed.items())
         return outputs
+
+    def _step_beams(self, logits: torch.Tensor, beams: list[Sequence], failed: dict[str, Exception]) -> None:
+        """The beams offer their continuations; each search whose live beams all have advances: its beams are
+        forked (a continuation of a parent already continued gets a copy sharing its full blocks), extended, and
+        freed when nothing continues them."""
+        try:
+            offer_continuations(logits, beams, self.eos_token_ids, self.limits.max_model_len)
+        except Exception as exc:
+            log.exception("beam search failed while ranking continuations")
+            for beam in beams:
+                failed.setdefault(beam.request.request_id, exc)
+            return
+        requests = {id(beam.request): beam.request for beam in beams}.values()
+        for request in requests:
+            if request.request_id not in failed and request.beams.ready():
+                try:
+                    self._advance_beams(request)
+                except Exception as exc:
+                    log.exception("request %s failed while advancing its beams", request.request_id)
+                    failed[request.request_id] = exc
+        self.num_generated_tokens += len(beams)
+
+    def _advance_beams(self, request: CoreRequest) -> None:
+        parents = request.sequences
+        continued: set[Sequence] = set()
+        next_beams: list[tuple[Sequence, Continuation]] = []
+        for index, continuation in enumerate(request.beams.advance()):
+            parent = continuation.parent
+            if parent in continued:
+                beam = parent.fork(index)
+                self.block_manager.share_full_blocks(parent, beam)
+                self.scheduler.add_running(beam)
+            else:
+                beam = parent
+                continued.add(parent)
+            next_beams.append((beam, continuation))
+        for beam, continuation in next_beams:  # (after the forks: they copy the parent's tokens)
+            beam.token_ids.append(continuation.token.token_id)
+        for parent in parents:
+            if parent not in continued:  # pruned, or the search is done: its blocks go back
+                self.scheduler.finish(parent)
+        request.beams.continue_with(next_beams)
+        request.sequences = [beam for beam, _ in next_beams] or parents
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence],
                 failed: dict[str, Exception]) -> list[SampledToken | None]:
@@ -307,13 +358,19 @@ class EngineCore:
             chunk.seq.prompt_hidden_states.append(chunk.hidden)
 
     def _emit(self, request: CoreRequest, seqs: list[Sequence], outputs: list[CoreOutput]) -> None:
+        finished = request.finished
         updates = []
+        if request.beams is not None:  # the choices come at the end: the hypotheses, best first
+            if finished:
+                updates = [SequenceUpdate(index, hypothesis.tokens, hypothesis.finish_reason, hypothesis.stop_token_id)
+                           for index, hypothesis in enumerate(request.beams.hypotheses)] if request.beams.done else \
+                    [SequenceUpdate(index, [], FinishReason.ABORT) for index in range(request.beams.width)]
+            seqs = []
         for seq in seqs:
             if seq.pending_tokens or seq.finish_reason is not None:
                 updates.append(SequenceUpdate(seq.index, seq.pending_tokens, seq.finish_reason, seq.stop_token_id,
                                               seq.pending_hidden_states, seq.pending_routed_experts))
                 seq.pending_tokens, seq.pending_hidden_states, seq.pending_routed_experts = [], [], []
-        finished = request.finished
         first = request.sequences[0]
         prompt_logprobs = None
         if first.params.prompt_logprobs is not None and not request.prompt_logprobs_sent \

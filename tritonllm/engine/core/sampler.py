@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tritonllm.engine.core.sequence import SampledToken, Sequence
+from tritonllm.interface.parameters import SamplingParams
 from tritonllm.engine.core.structured_output import BitmaskFiller
 from tritonllm.kernels import apply_logit_bias, apply_penalties, apply_token_bitmask, filter_probs, sample_tokens
 from tritonllm.kernels.sampling import sample_from
@@ -36,6 +37,14 @@ def score(raw: torch.Tensor, tokens: torch.Tensor, log_normalizers: torch.Tensor
     return [SampledToken(token, chosen[i], tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else (),
                          ranks.get(i))
             for i, (token, k) in enumerate(zip(tokens.tolist(), num_top))]
+
+
+def stop_tokens(params: SamplingParams, eos_token_ids: set[int]) -> list[int]:
+    """The tokens that end a sequence of these parameters: its stop tokens, and EOS unless ignore_eos."""
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops |= eos_token_ids
+    return sorted(stops)
 
 
 class Sampler:
@@ -73,7 +82,7 @@ class Sampler:
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """min_tokens bans, logit_bias, penalties and grammars; returns logits unchanged (not copied) when none
         apply."""
-        bans = {i: self._early_stop_tokens(seq) for i, seq in enumerate(seqs)
+        bans = {i: stop_tokens(seq.params, self.eos_token_ids) for i, seq in enumerate(seqs)
                 if seq.num_output_tokens < seq.params.min_tokens}
         biased = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
         penalized = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
@@ -96,13 +105,6 @@ class Sampler:
             bitmask = self.bitmasks.fill(seqs)
             apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
         return logits
-
-    def _early_stop_tokens(self, seq: Sequence) -> list[int]:
-        """Before min_tokens, EOS and stop tokens cannot be sampled."""
-        banned = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            banned |= self.eos_token_ids
-        return sorted(banned)
 
     @staticmethod
     def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -86,6 +86,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:  # a beam whose continuations wait for its siblings' (beam_search.py)
+                index += 1
+                continue
             while not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim, "to free KV blocks")
@@ -128,6 +131,16 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked beam joins the running batch beside its parent (it computes its partial block with the next
+        step); it waits instead when it cannot hold its adapter's slot."""
+        if not self._hold_lora_slot(seq):
+            self.block_manager.free(seq)
+            self.add(seq)
+            return
+        seq.status = SequenceStatus.RUNNING
+        self._enqueue(self.running, seq, front=False)
 
     def _preempt_worse_priority(self, seq: Sequence, scheduled: list[ScheduledSequence]) -> int | None:
         """Under priority, preempt the worst-ranked running sequence for `seq` if its priority is strictly worse;

@@ -7,12 +7,16 @@ import enum
 import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.engine.layers.lora import LoraAdapter
+
+if TYPE_CHECKING:
+    from tritonllm.engine.core.beam_search import BeamSearch
 
 
 _arrivals = itertools.count()  # (next() is atomic: requests are made on Triton's threads)
@@ -71,7 +75,8 @@ class CoreRequest:
     allowed_tokens: np.ndarray | None = None  # [bitmask words] int32 of params.allowed_token_ids, built once
     reasoning_start: enum.Enum | None = None  # a chat's processing.reasoning.ReasoningStart, for the output
     # processor (None: no reasoning to parse); the core does not read it
-    sequences: list["Sequence"] = field(default_factory=list)
+    sequences: list["Sequence"] = field(default_factory=list)  # its choices; under beam search its live beams
+    beams: "BeamSearch | None" = None  # the search of a use_beam_search request (the core makes it)
     prompt_logprobs_sent: bool = False
     prompt_hidden_states_sent: bool = False
     arrival: int = field(default_factory=lambda: next(_arrivals))  # the order requests arrived in
@@ -111,6 +116,15 @@ class Sequence:
         # filled during prefill when requested
         self.prompt_logprobs: list[SampledToken] = []  # of prompt positions 1.. (position 0 has none)
         self.prompt_hidden_states: list[torch.Tensor] = []  # [rows, hidden] chunks
+
+    def fork(self, index: int) -> "Sequence":
+        """A copy of this sequence (a beam search's beam chosen twice) with none of its KV blocks yet; its prompt
+        logprobs and cached tokens are the parent's (the request's)."""
+        child = Sequence(self.request, index, self.generator)
+        child.token_ids = list(self.token_ids)
+        child.cached_tokens = self.cached_tokens
+        child.prompt_logprobs = self.prompt_logprobs
+        return child
 
     @property
     def params(self) -> SamplingParams:
