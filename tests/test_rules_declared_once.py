@@ -91,6 +91,8 @@ def _non_default(parameter: Parameter):
         return not parameter.default
     if parameter.kind == "int":
         return (parameter.minimum or 0) + 2
+    if parameter.kind == "float" and parameter.maximum is None:  # (e.g. length_penalty: any number)
+        return parameter.default + 0.5
     if parameter.kind == "float":
         return (parameter.minimum + 3 * parameter.maximum) / 4
     return {"strings": ["x"], "token_ids": [5], "logit_bias": {"5": 1.5}, "string": "x",

@@ -23,6 +23,8 @@ from tritonllm.adapter.protocol import (
     TokenizeChatRequest,
     Usage,
 )
+from tritonllm.adapter.sse import resumed
+from tritonllm.interface.tensors import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -251,9 +253,9 @@ def _message_id(chat_id: str) -> str:
 def stop_reason(finish_reason: str | None, matched_stop: str | int | None,
                 stop_sequences: list[str] | None) -> tuple[StopReason, str | None]:
     """Anthropic's stop_reason and stop_sequence for a chat choice's finish."""
-    if finish_reason == "tool_calls":
+    if finish_reason == FinishReason.TOOL_CALLS:
         return "tool_use", None
-    if finish_reason == "length":
+    if finish_reason == FinishReason.LENGTH:
         return "max_tokens", None
     if isinstance(matched_stop, str) and matched_stop in (stop_sequences or ()):
         return "stop_sequence", matched_stop
@@ -299,16 +301,14 @@ async def message_events(first: ChatCompletionChunk, rest: AsyncGenerator[ChatCo
         usage=message_usage(usage).model_copy(update={"output_tokens": 0})).model_dump()})
     finish: tuple[str | None, str | int | None] = (None, None)
     try:
-        async with aclosing(rest):
-            chunk: ChatCompletionChunk | None = first
-            while chunk is not None:
+        async with aclosing(resumed(first, rest)) as chunks:
+            async for chunk in chunks:
                 usage = chunk.usage or usage
                 for choice in chunk.choices:
                     for event in blocks.events(choice.delta):
                         yield event
                     if choice.finish_reason is not None:
                         finish = (choice.finish_reason, choice.matched_stop)
-                chunk = await anext(rest, None)
     except AdapterError as error:
         log_server_error(error)
         yield _event(error.anthropic_body())

@@ -124,8 +124,6 @@ class NotYetSupportedParameters(BaseModel):
     spaces_between_special_tokens: bool = True
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-    use_beam_search: bool = False  # vLLM's beam search, and its parameter
-    length_penalty: float = 1.0
     structured_outputs: dict[str, Any] | None = None  # vLLM's newer spelling of the guided_* constraints
     guided_whitespace_pattern: str | None = None
     logits_processors: list[Any] | None = None

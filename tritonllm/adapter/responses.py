@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tritonllm.adapter.errors import AdapterError, from_validation_error, internal_error, invalid_request, \
     log_server_error
 from tritonllm.adapter.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Usage
+from tritonllm.adapter.sse import resumed
+from tritonllm.interface.tensors import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +195,7 @@ class ResponseObject(BaseModel):
 def _response(request: ResponsesRequest, response_id: str, created_at: int, model: str, output: list[dict],
               finish_reason: str | None, usage: Usage | None) -> ResponseObject:
     """The response as it stands: in progress until a finish reason is known."""
-    status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
+    status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == FinishReason.LENGTH else "completed"
     return ResponseObject(
         id=response_id, created_at=created_at, status=status, model=model, output=output,
         incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -323,16 +325,14 @@ async def response_events(first: ChatCompletionChunk, rest: AsyncGenerator[ChatC
     yield event("response.in_progress", {"response": started})
     output, finish_reason, usage = _OutputItems(response_id), None, None
     try:
-        async with aclosing(rest):
-            chunk: ChatCompletionChunk | None = first
-            while chunk is not None:
+        async with aclosing(resumed(first, rest)) as chunks:
+            async for chunk in chunks:
                 usage = chunk.usage or usage
                 for choice in chunk.choices:
                     calls = [call.model_dump() for call in choice.delta.tool_calls or ()]
                     for kind, payload in output.add(choice.delta.reasoning_content, choice.delta.content, calls):
                         yield event(kind, payload)
                     finish_reason = choice.finish_reason or finish_reason
-                chunk = await anext(rest, None)
     except Exception as error:
         if not isinstance(error, AdapterError):
             logger.exception("unexpected error while streaming a response")
@@ -342,5 +342,5 @@ async def response_events(first: ChatCompletionChunk, rest: AsyncGenerator[ChatC
         return
     for kind, payload in output.close():
         yield event(kind, payload)
-    final = _response(request, response_id, created_at, model, output.items, finish_reason or "stop", usage)
+    final = _response(request, response_id, created_at, model, output.items, finish_reason or FinishReason.STOP, usage)
     yield event(f"response.{final.status}", {"response": final.model_dump()})

@@ -29,6 +29,15 @@ def error_event(error: AdapterError) -> str:
     return data_event(json.dumps(error.body()))
 
 
+async def resumed(first: Chunk, rest: AsyncGenerator[Chunk, None]) -> AsyncIterator[Chunk]:
+    """A stream whose first chunk was taken already (to answer its errors with a status), whole again; closing
+    this generator closes `rest` (and so its Triton calls). Every API's framing of a stream reads it so."""
+    async with aclosing(rest):
+        yield first
+        async for chunk in rest:
+            yield chunk
+
+
 async def completion_events(
     first: Chunk, rest: AsyncGenerator[Chunk, None]
 ) -> AsyncIterator[str]:
@@ -37,9 +46,8 @@ async def completion_events(
     The stream always ends with [DONE]; closing this generator closes `rest` (and so its Triton calls).
     """
     try:
-        yield chunk_event(first)
-        async with aclosing(rest):
-            async for chunk in rest:
+        async with aclosing(resumed(first, rest)) as chunks:
+            async for chunk in chunks:
                 yield chunk_event(chunk)
     except AdapterError as error:
         log_server_error(error)

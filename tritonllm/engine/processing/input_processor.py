@@ -189,6 +189,9 @@ class InputProcessor:
         parameters schema checked on its own first, so an error names the tool)."""
         if tools is None or not tools.constrained:
             return None
+        if params.use_beam_search:  # (beams are ranked on the raw logprobs: no grammar applies to them)
+            raise InvalidRequest("use_beam_search cannot be combined with tools: their calls are constrained "
+                                 "(set tool_choice to none)", "use_beam_search")
         if params.constraint is not None:
             raise InvalidRequest(f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot be "
                                  f"combined with {params.constraint[0]} (set tool_choice to none)", "tool_choice")
