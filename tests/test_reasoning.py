@@ -155,6 +155,15 @@ def test_a_thinking_chat_is_all_reasoning_until_the_end_tag(thinking_engine):
     assert last.num_output_tokens == 12 and last.num_reasoning_tokens == 12
 
 
+def test_separate_reasoning_false_keeps_the_raw_text(thinking_engine):
+    params = dict(max_tokens=12, temperature=0.0)
+    separate = _chat(thinking_engine, SamplingParams(**params))
+    raw = _chat(thinking_engine, SamplingParams(**params, separate_reasoning=False))
+    assert _reasoning(separate) and raw.text() == _reasoning(separate)  # the reasoning, in the text as written
+    assert all(choice.reasoning is None for output in raw.outputs for choice in output.choices)
+    assert _last(raw).num_reasoning_tokens == 0
+
+
 def test_enable_thinking_false_leaves_nothing_to_parse(thinking_engine):
     result = _chat(thinking_engine, SamplingParams(max_tokens=6, temperature=0.0), enable_thinking=False)
     assert all(choice.reasoning is None for output in result.outputs for choice in output.choices)

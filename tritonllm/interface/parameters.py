@@ -228,6 +228,8 @@ class SamplingParams:
     return_prompt_hidden_states: bool = parameter(False, "each prompt token's final hidden state too (echo)")
     return_routed_experts: bool = parameter(False, "MoE models: each generated token's experts per layer "
                                             "(SGLang's)")
+    separate_reasoning: bool = parameter(True, "a reasoning model's chat: its reasoning apart from the answer "
+                                         "(false: all in the text, as the model wrote it; SGLang's)")
     use_beam_search: bool = parameter(False, "beam search (vLLM's) over max(n, best_of) beams, the n best returned; "
                                       "not streamed; temperature and top-k/top-p/min-p play no part in it")
     length_penalty: float = parameter(1.0, "beam search: a finished beam's score is its cumulative logprob / "

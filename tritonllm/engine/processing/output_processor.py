@@ -91,7 +91,7 @@ class OutputProcessor:
         parse_calls = tools is not None and tools.constrained
         choices = [_Choice(i, IncrementalDetokenizer(prompt_token_ids, params.skip_special_tokens),
                            tool_calls=ToolCallParser() if parse_calls else None,
-                           reasoning=None if reasoning_start is None else
+                           reasoning=None if reasoning_start is None or not params.separate_reasoning else
                            ReasoningParser(self.reasoning_tags, reasoning_start))
                    for i in range(params.num_sequences)]
         self.requests[request_id] = _RequestState(params, prompt_token_ids, choices)
