@@ -46,6 +46,14 @@ def test_chat_reasoning_is_apart_from_the_answer_streamed_or_not(thinking_stack,
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 10
 
 
+def test_separate_reasoning_false_keeps_the_reasoning_in_the_content(thinking_stack, openai_client):
+    kwargs = dict(model=thinking_stack.model_name, messages=MESSAGES, max_tokens=10, temperature=0)
+    separate = openai_client.chat.completions.create(**kwargs).choices[0].message
+    raw = openai_client.chat.completions.create(**kwargs, extra_body={"separate_reasoning": False}).choices[0].message
+    assert raw.content == separate.model_extra["reasoning_content"] and separate.content == ""
+    assert "reasoning_content" not in (raw.model_extra or {})
+
+
 def test_enable_thinking_false_answers_without_reasoning(thinking_stack, openai_client):
     whole = openai_client.chat.completions.create(model=thinking_stack.model_name, messages=MESSAGES, max_tokens=6,
                                                   temperature=0, extra_body={
