@@ -79,12 +79,12 @@ def test_beams_equal_transformers(tiny_engine, tiny_reference, width, n, length_
     assert ended_on_eos or not with_eos  # the EOS rules were exercised
 
 
-def _record_batches(engine, monkeypatch) -> list[set[str]]:
-    """The request ids of each step's batch."""
+def _record_batches(engine, monkeypatch) -> list[list[str]]:
+    """Each step's batch: the request id of each of its sequences."""
     batches, execute = [], engine.core.runner.execute
 
     def recording(scheduled):
-        batches.append({item.seq.request.request_id for item in scheduled})
+        batches.append([item.seq.request.request_id for item in scheduled])
         return execute(scheduled)
 
     monkeypatch.setattr(engine.core.runner, "execute", recording)
@@ -98,7 +98,8 @@ def test_beams_run_in_the_batch_with_other_requests_and_free_every_block(tiny_en
     beam = SamplingParams(use_beam_search=True, n=2, best_of=4, max_tokens=12, ignore_eos=True)
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     beam_result, plain_result = generate(tiny_engine, PROMPTS, [beam, plain])
-    together = [batch for batch in batches if {beam_result.request.request_id, plain_result.request.request_id} <= batch]
+    ids = {beam_result.request.request_id, plain_result.request.request_id}
+    together = [batch for batch in batches if ids <= set(batch)]
     assert len(together) >= 10  # decoded side by side, step after step
     [alone] = generate(tiny_engine, [PROMPTS[1]], plain)
     assert plain_result.token_ids() == alone.token_ids()  # the beams beside it changed nothing
@@ -140,3 +141,22 @@ def test_what_beam_search_refuses(values, param):
     SamplingParams.from_dict({"use_beam_search": True, "temperature": 0.7, "top_p": 0.5})  # as vLLM: no part in it
     with pytest.raises(InvalidRequest, match="cannot be streamed"):
         SamplingParams.from_dict({"use_beam_search": True}).check_streamable()
+
+
+def test_beams_stay_within_max_num_seqs(tiny_engine, tiny_dir, monkeypatch):
+    """Forks beyond the batch's max_num_seqs wait first in line; the beams come out the same."""
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.llm_engine import LLMEngine
+    from engine_helpers import EXACT
+    small = LLMEngine(EngineConfig(model_path=str(tiny_dir), **EXACT, kv_cache_memory=4 << 20, block_size=4,
+                                   max_num_batched_tokens=16, max_num_seqs=3))
+    batches = _record_batches(small, monkeypatch)
+    beam = SamplingParams(use_beam_search=True, n=3, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ours, _ = generate(small, PROMPTS, [beam, plain])
+    [reference] = generate(tiny_engine, [PROMPTS[0]], beam)
+    assert [tokens for tokens, _, _ in _choices(ours, 3)] == [tokens for tokens, _, _ in _choices(reference, 3)]
+    assert max(map(len, batches)) == 3
+    assert small.core.block_manager.num_free_blocks == small.core.block_manager.num_blocks
+    with pytest.raises(InvalidRequest, match="max-num-seqs"):
+        small.add_request(Request("too-wide", PROMPTS[0], SamplingParams(use_beam_search=True, n=2, best_of=4)))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritonllm.engine.core.sampler import score, stop_tokens
-from tritonllm.engine.core.sequence import SampledToken, Sequence
+from tritonllm.engine.core.sequence import SampledToken, Sequence, SequenceUpdate
 from tritonllm.interface.tensors import FinishReason
 
 
@@ -95,6 +95,13 @@ class BeamSearch:
         """The next beams: each sequence now holds its continuation's tokens."""
         self.tokens = {beam: self.tokens[c.parent] + [c.token] for beam, c in beams}
         self.scores = {beam: c.score for beam, c in beams}
+
+    def choices(self) -> list[SequenceUpdate]:
+        """The request's choices once it has finished: the hypotheses, best first, or (cut short) aborted ones."""
+        if not self.done:
+            return [SequenceUpdate(index, [], FinishReason.ABORT) for index in range(self.width)]
+        return [SequenceUpdate(index, hypothesis.tokens, hypothesis.finish_reason, hypothesis.stop_token_id)
+                for index, hypothesis in enumerate(self.hypotheses)]
 
     def _finished(self, continuation: Continuation) -> Hypothesis:
         tokens = self.tokens[continuation.parent] + [continuation.token]

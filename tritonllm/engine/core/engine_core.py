@@ -250,9 +250,7 @@ class EngineCore:
         return outputs
 
     def _step_beams(self, logits: torch.Tensor, beams: list[Sequence], failed: dict[str, Exception]) -> None:
-        """The beams offer their continuations; each search whose live beams all have advances: its beams are
-        forked (a continuation of a parent already continued gets a copy sharing its full blocks), extended, and
-        freed when nothing continues them."""
+        """The beams offer their continuations; a search whose live beams have all offered theirs advances."""
         try:
             offer_continuations(logits, beams, self.eos_token_ids, self.limits.max_model_len)
         except Exception as exc:
@@ -271,24 +269,25 @@ class EngineCore:
         self.num_generated_tokens += len(beams)
 
     def _advance_beams(self, request: CoreRequest) -> None:
-        parents = request.sequences
-        continued: set[Sequence] = set()
+        """The next beams: a parent continued by none is freed first; one continued once goes on itself, continued
+        again it is forked (the copy shares its full blocks and joins the batch)."""
+        parents, chosen = request.sequences, request.beams.advance()
+        continued = {continuation.parent for continuation in chosen}
+        for parent in parents:
+            if parent not in continued:  # pruned, or the search is done: its blocks and batch slot go back
+                self.scheduler.finish(parent)
+        taken: set[Sequence] = set()
         next_beams: list[tuple[Sequence, Continuation]] = []
-        for index, continuation in enumerate(request.beams.advance()):
-            parent = continuation.parent
-            if parent in continued:
-                beam = parent.fork(index)
-                self.block_manager.share_full_blocks(parent, beam)
+        for index, continuation in enumerate(chosen):
+            beam = continuation.parent
+            if beam in taken:
+                beam = beam.fork(index)
+                self.block_manager.share_full_blocks(continuation.parent, beam)
                 self.scheduler.add_running(beam)
-            else:
-                beam = parent
-                continued.add(parent)
+            taken.add(beam)
             next_beams.append((beam, continuation))
         for beam, continuation in next_beams:  # (after the forks: they copy the parent's tokens)
             beam.token_ids.append(continuation.token.token_id)
-        for parent in parents:
-            if parent not in continued:  # pruned, or the search is done: its blocks go back
-                self.scheduler.finish(parent)
         request.beams.continue_with(next_beams)
         request.sequences = [beam for beam, _ in next_beams] or parents
 
@@ -360,12 +359,8 @@ class EngineCore:
     def _emit(self, request: CoreRequest, seqs: list[Sequence], outputs: list[CoreOutput]) -> None:
         finished = request.finished
         updates = []
-        if request.beams is not None:  # the choices come at the end: the hypotheses, best first
-            if finished:
-                updates = [SequenceUpdate(index, hypothesis.tokens, hypothesis.finish_reason, hypothesis.stop_token_id)
-                           for index, hypothesis in enumerate(request.beams.hypotheses)] if request.beams.done else \
-                    [SequenceUpdate(index, [], FinishReason.ABORT) for index in range(request.beams.width)]
-            seqs = []
+        if request.beams is not None:  # its choices come once it has finished
+            updates, seqs = (request.beams.choices() if finished else []), []
         for seq in seqs:
             if seq.pending_tokens or seq.finish_reason is not None:
                 updates.append(SequenceUpdate(seq.index, seq.pending_tokens, seq.finish_reason, seq.stop_token_id,

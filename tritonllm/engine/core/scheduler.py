@@ -134,10 +134,11 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A forked beam joins the running batch beside its parent (it computes its partial block with the next
-        step); it waits instead when it cannot hold its adapter's slot."""
-        if not self._hold_lora_slot(seq):
+        step); it waits first in line instead when the batch is full or it cannot hold its adapter's slot."""
+        if len(self.running) >= self.max_num_seqs or not self._hold_lora_slot(seq):
             self.block_manager.free(seq)
-            self.add(seq)
+            seq.status = SequenceStatus.WAITING
+            self._enqueue(self.waiting, seq, front=True)
             return
         seq.status = SequenceStatus.RUNNING
         self._enqueue(self.running, seq, front=False)

@@ -91,6 +91,10 @@ class InputProcessor:
             raise InvalidRequest(f"priority {params.priority} needs priority scheduling, and this server schedules "
                                  f"first come, first served (--scheduling-policy {self.config.scheduling_policy})",
                                  "priority")
+        if params.use_beam_search and params.num_sequences > self.config.max_num_seqs:  # (its beams step together)
+            raise InvalidRequest(f"beam search over {params.num_sequences} beams needs as many sequences in the "
+                                 f"running batch; this server runs at most {self.config.max_num_seqs} "
+                                 "(--max-num-seqs)", "best_of" if params.best_of else "n")
         prompt_token_ids, rendered = self._tokenize(prompt, options)
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty")
