@@ -17,6 +17,7 @@ from tritonllm.engine.core.block_manager import BlockManager
 from tritonllm.engine.core import kv_tiers
 from tritonllm.engine.core.kv_tiers import DeviceBlocks, StorageTier, block_path, encode_block
 from tritonllm.engine.core.prefix_keys import block_key, model_key, root_key
+from tritonllm.engine.core.sequence import CachedTokens
 from tritonllm.engine.layers import linear
 from tritonllm.engine.llm_engine import LLMEngine, Request
 from tritonllm.interface.parameters import SamplingParams
@@ -137,11 +138,19 @@ def stored(directory: Path, blocks: DeviceBlocks, chain, model: bytes = MODEL, c
     return storage
 
 
+def read(storage: StorageTier, chain) -> list[torch.Tensor]:
+    """The K/V of the run of `chain`'s blocks the storage tier reads in time (the core polls between its steps)."""
+    run = storage.start_read(chain)
+    while not run.done(time.monotonic()):
+        time.sleep(0.001)
+    return storage.finish_read(run)
+
+
 def test_blocks_written_by_one_storage_tier_are_read_by_another_sharing_the_directory(tmp_path):
     blocks, chain = device_pool(), keys_of(5)
     stored(tmp_path, blocks, chain).close()
     reader = StorageTier(tmp_path, 1 << 30, MODEL, device_pool())  # another stack, or this one restarted
-    found = reader.read_run(chain)
+    found = read(reader, chain)
     assert len(found) == 5
     for block, kv in enumerate(found):
         assert torch.equal(kv, blocks.read(block))
@@ -175,7 +184,7 @@ def test_a_missing_damaged_or_foreign_file_ends_the_run_as_a_miss(tmp_path, dama
     else:  # another block's (valid) file under this key's name
         block_path(tmp_path, chain[3][0]).replace(path)
     reader = StorageTier(tmp_path, 1 << 30, MODEL, device_pool())
-    assert len(reader.read_run(chain)) == 2
+    assert len(read(reader, chain)) == 2
     assert not path.exists()  # a damaged file is removed, to be written again
 
 
@@ -185,7 +194,7 @@ def test_a_slow_read_is_a_miss_after_a_bounded_wait(tmp_path, monkeypatch):
     reader = StorageTier(tmp_path, 1 << 30, MODEL, device_pool())
     monkeypatch.setattr(kv_tiers, "read_block_file", lambda path: time.sleep(3) or path.read_bytes())
     started = time.monotonic()
-    assert reader.read_run(chain) == []
+    assert read(reader, chain) == []
     assert time.monotonic() - started < kv_tiers.BLOCK_READ_WAIT_SECONDS + 0.5
 
 
@@ -206,7 +215,7 @@ def test_storage_is_bounded_in_bytes_least_recently_used_out(tmp_path):
     blocks, chain = device_pool(), keys_of(5)
     size = len(encode_block(MODEL, *chain[0], blocks.read(0)))
     storage = stored(tmp_path, blocks, chain[:3], capacity=3 * size)
-    assert len(storage.read_run(chain[:1])) == 1  # block 0 is now the most recently used
+    assert len(read(storage, chain[:1])) == 1  # block 0 is now the most recently used
     assert storage.wait_for_writes(10.0)
     for block in (3, 4):
         storage.offer(*chain[block], block)
@@ -216,6 +225,16 @@ def test_storage_is_bounded_in_bytes_least_recently_used_out(tmp_path):
     storage.close()
 
 
+def match(manager: BlockManager, seq) -> CachedTokens:
+    """The sequence's cached prefix, once its storage read (if any) is done."""
+    pending = manager.allocate_cached_prefix(seq)
+    if isinstance(pending, CachedTokens):
+        return pending
+    while not pending.read.done(time.monotonic()):
+        time.sleep(0.001)
+    return manager.finish_prefix_read(seq, pending)
+
+
 def test_a_lower_tier_run_takes_the_device_pools_block_where_it_still_holds_one(tmp_path):
     """The prompt's first block left the device pool, its second did not: storage gives the first, the device pool
     the second (registering storage's copy of it too would leave two blocks under one key)."""
@@ -223,7 +242,7 @@ def test_a_lower_tier_run_takes_the_device_pools_block_where_it_still_holds_one(
     manager = BlockManager(4, 4, model=MODEL, storage=StorageTier(tmp_path, 1 << 30, MODEL, blocks))
     prompt = distinct_prompt(9, start=100)
     first = make_sequence(prompt)
-    manager.allocate_cached_prefix(first)
+    assert match(manager, first).total == 0
     assert manager.ensure_slots(first, 9)
     first.num_computed_tokens = 9
     manager.cache_full_blocks(first)
@@ -233,7 +252,7 @@ def test_a_lower_tier_run_takes_the_device_pools_block_where_it_still_holds_one(
     manager.free_blocks.move_to_end(first_block, last=False)  # the least recently used: the next one reused
     assert manager.ensure_slots(make_sequence(distinct_prompt(4, start=500)), 4)  # takes the first block
     again = make_sequence(prompt)
-    assert manager.allocate_cached_prefix(again).by_tier() == (4, 0, 4)
+    assert match(manager, again).by_tier() == (4, 0, 4)
     assert again.block_table[1] == second_block
     assert all(manager.key_to_block[key] == block for block, key in enumerate(manager.block_keys) if key is not None)
     assert len(manager.key_to_block) == 2

@@ -5,17 +5,29 @@ The chain starts from the model's identity, the sequence's LoRA adapter and its 
 adapters never share KV, and requests share prefixes only with requests of the same salt.
 Freed blocks that hold a cached prefix stay findable until they are reused (LRU order); with a host tier
 (kv_tiers.py) a reused block's K/V move there first; with a storage tier every newly computed block is offered to
-it. A prefix match goes on from the device pool into the host tier, then into storage."""
+it. A prefix match goes on from the device pool into the host tier, then into storage; one that reaches storage
+is finished later, once the blocks are read (`PrefixRead`): the sequence holds the blocks matched before it
+meanwhile, and nothing else."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
-from tritonllm.engine.core.kv_tiers import HostTier, StorageTier
+from tritonllm.engine.core.kv_tiers import HostTier, StorageRead, StorageTier
 from tritonllm.engine.core.prefix_keys import block_key, root_key
 from tritonllm.engine.core.sequence import CachedTokens, Sequence
+
+
+@dataclass(frozen=True)
+class PrefixRead:
+    """A sequence's prefix match waiting on storage: the tokens found in the device pool and host memory (in its
+    block table already), and the read of the blocks after them."""
+
+    cached: CachedTokens
+    read: StorageRead
 
 
 class BlockManager:
@@ -65,16 +77,17 @@ class BlockManager:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
-    def allocate_cached_prefix(self, seq: Sequence) -> CachedTokens:
-        """Give a new sequence the cached blocks of its longest cached prefix, copying the ones found in a lower
-        tier into device blocks; returns the tokens they hold, by tier.
+    def allocate_cached_prefix(self, seq: Sequence) -> CachedTokens | PrefixRead:
+        """Give a new sequence the cached blocks of its longest cached prefix, copying the ones found in host memory
+        into device blocks; returns the tokens they hold, by tier, or, when storage may hold the blocks after them,
+        the read of those (`finish_prefix_read` takes them once it is done).
 
         The last token is always left to compute, since its logits are needed to sample."""
         assert not seq.block_table
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
             return CachedTokens()
         chain = self.chain(seq, (seq.num_tokens - 1) // self.block_size)
-        device = host = storage = 0
+        device = host = 0
         for key, tokens in chain:
             if self._reuse_cached(seq, key, tokens):
                 device += 1
@@ -83,17 +96,29 @@ class BlockManager:
                 host += 1
             else:
                 break
+        cached = CachedTokens(device * self.block_size, host * self.block_size)
         rest = chain[device + host:]
         if self.storage is not None and rest and self.free_blocks:
-            for (key, tokens), kv in zip(rest, self.storage.read_run(rest[:len(self.free_blocks)])):
-                if self._reuse_cached(seq, key, tokens):
-                    device += 1
-                elif self.free_blocks:
-                    self._load(seq, key, tokens, kv, self.storage)
-                    storage += 1
-                else:
-                    break
-        cached = CachedTokens(device * self.block_size, host * self.block_size, storage * self.block_size)
+            return PrefixRead(cached, self.storage.start_read(rest[:len(self.free_blocks)]))
+        return self._count(seq, cached)
+
+    def finish_prefix_read(self, seq: Sequence, pending: PrefixRead) -> CachedTokens:
+        """Copy the blocks a done storage read found into device blocks, after the ones the sequence holds; returns
+        all the tokens of its cached prefix, by tier."""
+        device, host = pending.cached.device // self.block_size, pending.cached.host // self.block_size
+        storage = 0
+        for (key, tokens), kv in zip(pending.read.chain, self.storage.finish_read(pending.read)):
+            if self._reuse_cached(seq, key, tokens):  # computed by another sequence meanwhile
+                device += 1
+            elif self.free_blocks:
+                self._load(seq, key, tokens, kv, self.storage)
+                storage += 1
+            else:
+                break
+        return self._count(seq, CachedTokens(device * self.block_size, host * self.block_size,
+                                             storage * self.block_size))
+
+    def _count(self, seq: Sequence, cached: CachedTokens) -> CachedTokens:
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += cached.within(seq.num_prompt_tokens)
         return cached
@@ -169,6 +194,7 @@ class BlockManager:
         seq.block_table = []
         seq.full_block_keys = []
         seq.num_computed_tokens = 0
+        seq.prefix_matched = False
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
