@@ -300,3 +300,93 @@ def test_engine_steps_never_wait_for_a_slow_storage_writer(tiny_model_dir, tmp_p
         engine.step()
         slowest = max(slowest, time.monotonic() - started)
     assert slowest < 1.0 and engine.core.block_manager.storage.dropped_writes > 0
+
+
+# --- storage reads never hold up the core: the sequence waits for its blocks, off the batch ---
+
+OTHER = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def restarted_on_stored_prompt(model_dir: Path, directory: Path) -> tuple[Result, LLMEngine]:
+    """PROMPT's cold run, and a new engine on the storage directory that run wrote its blocks to."""
+    first = tiered_engine(model_dir, kv_storage_dir=str(directory))
+    cold = run(first, PROMPT)
+    first.shutdown()  # (lets the queued writes land)
+    return cold, tiered_engine(model_dir, kv_storage_dir=str(directory))
+
+
+def slow_reads(monkeypatch, seconds_a_block: float) -> list[Path]:
+    """Make every block file take `seconds_a_block` to read; returns the paths read so far."""
+    reads = []
+    monkeypatch.setattr(kv_tiers, "read_block_file",
+                        lambda path: reads.append(path) or time.sleep(seconds_a_block) or path.read_bytes())
+    return reads
+
+
+def run_beside_another(engine: LLMEngine, prompt: list[int]) -> tuple[Result, list[int], float]:
+    """`prompt` added while another sequence decodes: its result, the other's tokens emitted before the prompt's
+    first token, and the longest step."""
+    engine.add_request(Request("other", list(range(5000, 5000 + 2 * BLOCK)), OTHER))
+    while not engine.core.scheduler.running:
+        engine.step()
+    result, other_tokens, slowest = Result(Request("prompt", prompt, SEEDED)), [], 0.0
+    engine.add_request(result.request)
+    while engine.has_unfinished_requests():
+        started = time.monotonic()
+        outputs = engine.step()
+        slowest = max(slowest, time.monotonic() - started)
+        for output in outputs:
+            if output.request_id == "prompt":
+                result.outputs.append(output)
+            elif not result.outputs:
+                other_tokens += output.choices[0].token_ids
+    return result, other_tokens, slowest
+
+
+def test_a_slow_storage_read_holds_up_no_other_sequences_step(tiny_model_dir, tmp_path, monkeypatch):
+    """Half a second a block, every block in time: the prompt waits the 3 s its six blocks take while the other
+    sequence decodes at full speed (to its end), then runs from storage's blocks, bit-identical to its cold run."""
+    cold, engine = restarted_on_stored_prompt(tiny_model_dir, tmp_path)
+    slow_reads(monkeypatch, 0.5)
+    monkeypatch.setattr(kv_tiers, "BLOCK_READ_WAIT_SECONDS", 5.0)
+    result, other_tokens, slowest = run_beside_another(engine, PROMPT)
+    assert slowest < 0.4  # (a blocking read: 3 s in one step)
+    assert len(other_tokens) == OTHER.max_tokens  # steps went on while the blocks were read
+    assert cached_by_tier(result) == (0, 0, 6 * BLOCK) and sampled(result) == sampled(cold)
+    assert_idle(engine)
+    engine.shutdown()
+
+
+def test_a_storage_read_that_is_late_is_a_miss_and_the_prompt_runs_cold(tiny_model_dir, tmp_path, monkeypatch):
+    """Five seconds a block, a tenth of a second allowed: the prompt computes its prefix instead of waiting."""
+    cold, engine = restarted_on_stored_prompt(tiny_model_dir, tmp_path)
+    slow_reads(monkeypatch, 5.0)
+    started = time.monotonic()
+    result = run(engine, PROMPT)
+    assert time.monotonic() - started < 4.0  # not even the first block was waited for
+    assert cached_by_tier(result) == (0, 0, 0) and sampled(result) == sampled(cold)
+    assert_idle(engine)
+    engine.shutdown()
+
+
+def test_an_aborted_request_waiting_for_storage_frees_everything_and_stops_the_read(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    _, engine = restarted_on_stored_prompt(tiny_model_dir, tmp_path)
+    run(engine, PROMPT[:2 * BLOCK + 1])  # the prompt's first two blocks are in the device pool: the read starts after
+    reads = slow_reads(monkeypatch, 1.0)
+    monkeypatch.setattr(kv_tiers, "BLOCK_READ_WAIT_SECONDS", 5.0)
+    engine.add_request(Request("waits", PROMPT, SEEDED))
+    engine.step()
+    [(seq, pending)] = engine.core.scheduler.loading.items()
+    assert len(pending.read.chain) == 4 and not pending.read.done(time.monotonic())
+    stats = engine.stats()  # it waits, holding the two blocks it matched and nothing else
+    assert stats.waiting == 1 and stats.running == 0 and stats.free_blocks == stats.total_blocks - 2
+    while not reads:  # the reader is in the run's first block
+        time.sleep(0.01)
+    engine.abort_request("waits")
+    engine.step()
+    assert pending.read.cancelled.is_set() and not engine.core.scheduler.loading
+    assert_idle(engine)
+    time.sleep(2.5)
+    assert len(reads) == 1  # the block being read when it was aborted, no other
+    engine.shutdown()
