@@ -1,10 +1,12 @@
-"""The KV cache's tiers in the engine (in-process, one request at a time, so TTFT is the prefill's time):
+"""The KV cache's tiers in the engine (in-process):
 
-1. one long prompt's TTFT: cold, device hit (the same prompt again), storage hit after a restart (a new engine
-   on the same storage directory);
+1. one long prompt's TTFT, run alone (TTFT is the prefill's time): cold, device hit (the same prompt again), host
+   hit (evicted from the device pool to host memory by another prompt as long) and storage hit after a restart
+   (a new engine on the same storage directory);
 2. a multi-turn workload whose working set is `--working-set` times the device pool (each conversation its own
-   document, turns round-robin): the cached fraction of prompt tokens and TTFT p50/p90 with no tier, a host tier
-   and a storage tier.
+   document, turns round-robin): the cached fraction of prompt tokens, TTFT p50/p90 and step time p50/p99 with no
+   tier, a host tier and a storage tier; `--concurrent` runs each turn's requests of all conversations at once
+   (a storage read then overlaps the other requests' steps: the step time says whether they waited for it).
 
     .venv/bin/python bench/kv_tiers.py [--long-prompt 4000] [--conversations 6 --turns 3 --document 1000]
 """
@@ -13,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,19 +35,38 @@ _ids = itertools.count()
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def ask(engine: LLMEngine, prompt: list[int]) -> tuple[float, int, tuple[int, int, int], list[int]]:
-    """(TTFT seconds, cached tokens, cached by tier, output tokens) of one request run alone."""
-    request = Request(f"bench-{next(_ids)}", prompt, PARAMS)
+@dataclass
+class Answer:
+    ttft: float  # seconds from submission
+    cached: int
+    tiers: tuple[int, int, int]  # cached tokens by tier: device, host, storage
+    tokens: list[int]
+
+
+def serve(engine: LLMEngine, prompts: list[list[int]], step_times: list[float] | None = None) -> list[Answer]:
+    """Submit the prompts at once and step until every one is answered; each step's time goes to step_times."""
     started = time.perf_counter()
-    engine.add_request(request)
-    first, tokens, last = None, [], None
+    answers = {}
+    for prompt in prompts:
+        request_id = f"bench-{next(_ids)}"
+        engine.add_request(Request(request_id, prompt, PARAMS))
+        answers[request_id] = Answer(0.0, 0, (0, 0, 0), [])
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            tokens += [t for choice in output.choices for t in choice.token_ids]
-            if first is None and tokens:
-                first = time.perf_counter() - started
-            last = output
-    return first, last.num_cached_tokens, last.cached_by_tier, tokens
+        if not engine.has_work():  # only storage reads to wait for (the core loop sleeps then too)
+            time.sleep(0.001)
+            continue
+        step_started = time.perf_counter()
+        outputs = engine.step()
+        if step_times is not None:
+            step_times.append(time.perf_counter() - step_started)
+        for output in outputs:
+            answer = answers[output.request_id]
+            tokens = [t for choice in output.choices for t in choice.token_ids]
+            if tokens and not answer.tokens:
+                answer.ttft = time.perf_counter() - started
+            answer.tokens += tokens
+            answer.cached, answer.tiers = output.num_cached_tokens, output.cached_by_tier
+    return list(answers.values())
 
 
 def engine_of(model_dir: Path, args, kv_cache_memory: int, **tiers) -> LLMEngine:
@@ -51,70 +74,88 @@ def engine_of(model_dir: Path, args, kv_cache_memory: int, **tiers) -> LLMEngine
                                   kv_cache_memory=kv_cache_memory, **tiers))
 
 
+def pool_geometry(model_dir: Path, args) -> tuple[int, int, int]:
+    """(block size, bytes a block, vocabulary size) of the engine the settings make."""
+    probe = engine_of(model_dir, args, args.kv_cache_memory)
+    geometry = probe.config.block_size, probe.core.runner.bytes_per_block, probe.vocab_size
+    probe.shutdown()
+    return geometry
+
+
 def long_prompt(model_dir: Path, args, storage: Path) -> None:
-    engine = engine_of(model_dir, args, args.long_kv_cache_memory, kv_storage_dir=str(storage))
-    vocab = engine.vocab_size
+    block_size, bytes_per_block, vocab = pool_geometry(model_dir, args)
+    # a device pool that holds one long prompt (and its answer): the next one evicts it whole, to host memory
+    pool = -(-(args.long_prompt + PARAMS.max_tokens) // block_size) * bytes_per_block
+    engine = engine_of(model_dir, args, pool, kv_host_memory=2 * pool, kv_storage_dir=str(storage))
     prompt = [(7919 * i) % (vocab - 1000) + 500 for i in range(args.long_prompt)]
-    cold = ask(engine, prompt)
-    device = ask(engine, prompt)
+    other = [(7907 * i + 13) % (vocab - 1000) + 500 for i in range(args.long_prompt)]
+    serve(engine, [other])  # (warms up too)
+    [cold] = serve(engine, [prompt])
+    [device] = serve(engine, [prompt])
+    serve(engine, [other])  # from host memory into the device pool: the prompt's blocks go to host memory
+    [host] = serve(engine, [prompt])
     engine.shutdown()  # lets the queued writes land
     del engine
-    restarted = engine_of(model_dir, args, args.long_kv_cache_memory, kv_storage_dir=str(storage))
-    stored = ask(restarted, prompt)
+    restarted = engine_of(model_dir, args, pool, kv_storage_dir=str(storage))
+    serve(restarted, [prompt[:block_size][::-1]])  # warms up (a prompt storage does not hold)
+    [stored] = serve(restarted, [prompt])
     restarted.shutdown()
     print(f"one {args.long_prompt}-token prompt (TTFT; cached tokens by tier device/host/storage):")
-    for name, (ttft, cached, tiers, tokens) in (("cold", cold), ("device hit", device),
-                                                ("storage hit after restart", stored)):
-        print(f"  {name:26s} {ttft * 1e3:9.1f} ms  ({ttft / cold[0]:.2f}x cold)  cached {cached} {tiers}"
-              f"{'' if tokens == cold[3] else '  OUTPUT DIFFERS'}")
+    for name, answer in (("cold", cold), ("device hit", device), ("host hit", host),
+                         ("storage hit after restart", stored)):
+        print(f"  {name:26s} {answer.ttft * 1e3:9.1f} ms  ({answer.ttft / cold.ttft:.2f}x cold)  cached "
+              f"{answer.cached} {answer.tiers}{'' if answer.tokens == cold.tokens else '  OUTPUT DIFFERS'}")
 
 
 def multi_turn(model_dir: Path, args, storage: Path) -> None:
-    probe = engine_of(model_dir, args, args.kv_cache_memory)
-    pool_tokens = probe.core.block_manager.num_blocks * probe.config.block_size
-    bytes_per_block = probe.core.runner.bytes_per_block
-    vocab = probe.vocab_size
-    probe.shutdown()
-    del probe
+    block_size, bytes_per_block, vocab = pool_geometry(model_dir, args)
+    pool_tokens = args.kv_cache_memory // bytes_per_block * block_size
     document = max(args.document, args.working_set * pool_tokens // args.conversations)
     print(f"\nmulti-turn: {args.conversations} conversations x {args.turns} turns over a {document}-token document "
-          f"each; device pool {pool_tokens} tokens (working set {args.conversations * document / pool_tokens:.1f}x)")
+          f"each, {'all conversations at once' if args.concurrent else 'one request at a time'}; device pool "
+          f"{pool_tokens} tokens (working set {args.conversations * document / pool_tokens:.1f}x)")
     host_bytes = (args.working_set + 1) * args.kv_cache_memory
     for name, tiers in (("no tiers", {}), ("host tier", {"kv_host_memory": host_bytes}),
                         ("storage tier", {"kv_storage_dir": str(storage / "multi-turn")})):
         engine = engine_of(model_dir, args, args.kv_cache_memory, **tiers)
         conversations = [[(997 * (c + 1) * i) % (vocab - 1000) + 500 for i in range(document)]
                          for c in range(args.conversations)]
-        ttfts, cached, prompts = [], 0, 0
+        ttfts, cached, prompts, step_times = [], 0, 0, []
         for turn in range(args.turns):
             for c, history in enumerate(conversations):
                 history += [(31 * (turn + 3) * (c + 5) * i) % (vocab - 1000) + 500 for i in range(24)]  # question
-                ttft, hit, _, answer = ask(engine, history)
+            batches = [conversations] if args.concurrent else [[history] for history in conversations]
+            answers = [answer for batch in batches for answer in serve(engine, batch, step_times)]
+            for history, answer in zip(conversations, answers):
                 if turn > 0:  # the first turn of each conversation is cold whatever the tiers
-                    ttfts.append(ttft)
-                    cached += hit
+                    ttfts.append(answer.ttft)
+                    cached += answer.cached
                     prompts += len(history)
-                history += answer
+                history += answer.tokens
         engine.shutdown()
         quantiles = statistics.quantiles(ttfts, n=10)
+        steps = statistics.quantiles(step_times, n=100)
         print(f"  {name:12s} cached fraction {cached / prompts:.2f}  TTFT p50 {statistics.median(ttfts) * 1e3:8.1f} ms"
-              f"  p90 {quantiles[8] * 1e3:8.1f} ms  (turns 2..{args.turns}; {bytes_per_block} bytes a block)")
+              f"  p90 {quantiles[8] * 1e3:8.1f} ms  step p50 {statistics.median(step_times) * 1e3:7.1f} ms"
+              f"  p99 {steps[98] * 1e3:7.1f} ms  ({len(step_times)} steps; turns 2..{args.turns} for TTFT; "
+              f"{bytes_per_block} bytes a block)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weight-format", default="int4")
     parser.add_argument("--kv-cache-memory", type=int, default=96 << 20, help="the multi-turn workload's pool")
-    parser.add_argument("--long-kv-cache-memory", type=int, default=320 << 20, help="the long prompt's pool")
     parser.add_argument("--long-prompt", type=int, default=4000)
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--document", type=int, default=1000)
     parser.add_argument("--working-set", type=int, default=3, help="conversations' tokens / device pool's")
+    parser.add_argument("--concurrent", action="store_true", help="each turn's requests at once")
     parser.add_argument("--skip-long", action="store_true")
     parser.add_argument("--skip-multi-turn", action="store_true")
     args = parser.parse_args()
     model_dir = prepare_default_model()
+    print(f"load average {' '.join(f'{load:.1f}' for load in os.getloadavg())} on {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as folder:
         if not args.skip_long:
             long_prompt(model_dir, args, Path(folder) / "long")
