@@ -6,9 +6,13 @@
 2. a multi-turn workload whose working set is `--working-set` times the device pool (each conversation its own
    document, turns round-robin): the cached fraction of prompt tokens, TTFT p50/p90 and step time p50/p99 with no
    tier, a host tier and a storage tier; `--concurrent` runs each turn's requests of all conversations at once
-   (a storage read then overlaps the other requests' steps: the step time says whether they waited for it).
+   (a storage read then overlaps the other requests' steps: the step time says whether they waited for it);
+3. `--gateway`: two stacks behind the SMG gateway (`tritonllm scale-out`, real processes, chat through the openai
+   SDK), multi-turn conversations: the cached fraction of prompt tokens (turns 2..) with random routing and no
+   storage tier, random routing and one storage directory shared by the stacks, and cache-aware routing.
 
     .venv/bin/python bench/kv_tiers.py [--long-prompt 4000] [--conversations 6 --turns 3 --document 1000]
+    .venv/bin/python bench/kv_tiers.py --gateway [--conversations 6 --turns 3 --document 300]
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -141,6 +148,57 @@ def multi_turn(model_dir: Path, args, storage: Path) -> None:
               f"{bytes_per_block} bytes a block)")
 
 
+def gateway(model_dir: Path, args, folder: Path) -> None:
+    import openai
+
+    words = "the of and to in is was for on that with as by at from his her it an be are this which or".split()
+    print(f"\ntwo stacks behind the SMG gateway: {args.conversations} conversations x {args.turns} turns over a "
+          f"{args.document}-word document each, one request at a time")
+    for name, policy, storage in (("random, no storage", "random", None),
+                                  ("random, shared storage", "random", folder / "shared"),
+                                  ("cache_aware, no storage", "cache_aware", None)):
+        base = random.Random().randrange(20000, 60000, 100)
+        port, state = base + 90, folder / f"state-{policy}-{storage is not None}"
+        state.mkdir()
+        command = [sys.executable, "-m", "tritonllm", "scale-out", "--stacks", "2", "--model", str(model_dir),
+                   "--weight-format", args.weight_format, "--policy", policy, "--port", str(port),
+                   "--gateway-metrics-port", str(base + 91), "--first-stack-port", str(base), "--state-dir",
+                   str(state), "--kv-cache-memory", str(args.kv_cache_memory)]
+        if storage is not None:
+            command += ["--kv-storage-dir", str(storage)]
+        log_path = state / "scale-out.log"
+        with open(log_path, "wb") as log:
+            fleet = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            started = time.monotonic()
+            while "ready in" not in log_path.read_text(errors="replace"):
+                if fleet.poll() is not None or time.monotonic() - started > 1200:
+                    raise RuntimeError(f"scale-out did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
+                time.sleep(1)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=1200)
+            model = client.models.list().data[0].id
+            texts = random.Random(7)
+            conversations = [[{"role": "system", "content": " ".join(texts.choice(words) + str(texts.randrange(99))
+                                                                      for _ in range(args.document))}]
+                             for _ in range(args.conversations)]
+            cached = prompts = 0
+            for turn in range(args.turns):
+                for c, messages in enumerate(conversations):
+                    messages.append({"role": "user", "content": f"question {turn} of conversation {c}: and then?"})
+                    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                                           temperature=0.0)
+                    messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+                    if turn > 0:
+                        details = reply.usage.prompt_tokens_details
+                        cached += details.cached_tokens if details else 0
+                        prompts += reply.usage.prompt_tokens
+            print(f"  {name:24s} cached fraction {cached / prompts:.2f}  ({prompts} prompt tokens in turns "
+                  f"2..{args.turns})")
+        finally:
+            fleet.send_signal(signal.SIGTERM)
+            fleet.wait(120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weight-format", default="int4")
@@ -153,10 +211,14 @@ def main() -> None:
     parser.add_argument("--concurrent", action="store_true", help="each turn's requests at once")
     parser.add_argument("--skip-long", action="store_true")
     parser.add_argument("--skip-multi-turn", action="store_true")
+    parser.add_argument("--gateway", action="store_true", help="only the two stacks behind the SMG gateway")
     args = parser.parse_args()
     model_dir = prepare_default_model()
     print(f"load average {' '.join(f'{load:.1f}' for load in os.getloadavg())} on {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as folder:
+        if args.gateway:
+            gateway(model_dir, args, Path(folder))
+            return
         if not args.skip_long:
             long_prompt(model_dir, args, Path(folder) / "long")
         if not args.skip_multi_turn:
