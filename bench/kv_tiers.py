@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
 from tritonllm.engine.config import EngineConfig  # noqa: E402
+from tritonllm.engine.core import kv_tiers  # noqa: E402
 from tritonllm.engine.llm_engine import LLMEngine, Request  # noqa: E402
 from tritonllm.interface.parameters import SamplingParams  # noqa: E402
 from tritonllm.model_files import prepare_default_model  # noqa: E402
@@ -124,6 +125,8 @@ def multi_turn(model_dir: Path, args, storage: Path) -> None:
     host_bytes = (args.working_set + 1) * args.kv_cache_memory
     for name, tiers in (("no tiers", {}), ("host tier", {"kv_host_memory": host_bytes}),
                         ("storage tier", {"kv_storage_dir": str(storage / "multi-turn")})):
+        if name.split()[0] not in args.tiers.split(","):
+            continue
         engine = engine_of(model_dir, args, args.kv_cache_memory, **tiers)
         conversations = [[(997 * (c + 1) * i) % (vocab - 1000) + 500 for i in range(document)]
                          for c in range(args.conversations)]
@@ -209,11 +212,17 @@ def main() -> None:
     parser.add_argument("--document", type=int, default=1000)
     parser.add_argument("--working-set", type=int, default=3, help="conversations' tokens / device pool's")
     parser.add_argument("--concurrent", action="store_true", help="each turn's requests at once")
+    parser.add_argument("--tiers", default="no,host,storage", help="the multi-turn workload's tier settings to run")
+    parser.add_argument("--read-delay", type=float, default=0.0,
+                        help="seconds each storage block file takes to read (a slow disk, simulated)")
     parser.add_argument("--skip-long", action="store_true")
     parser.add_argument("--skip-multi-turn", action="store_true")
     parser.add_argument("--gateway", action="store_true", help="only the two stacks behind the SMG gateway")
     args = parser.parse_args()
     model_dir = prepare_default_model()
+    if args.read_delay:
+        read_block_file = kv_tiers.read_block_file
+        kv_tiers.read_block_file = lambda path: time.sleep(args.read_delay) or read_block_file(path)
     print(f"load average {' '.join(f'{load:.1f}' for load in os.getloadavg())} on {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as folder:
         if args.gateway:
