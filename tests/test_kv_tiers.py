@@ -350,7 +350,7 @@ def test_a_slow_storage_read_holds_up_no_other_sequences_step(tiny_model_dir, tm
     slow_reads(monkeypatch, 0.5)
     monkeypatch.setattr(kv_tiers, "BLOCK_READ_WAIT_SECONDS", 5.0)
     result, other_tokens, slowest = run_beside_another(engine, PROMPT)
-    assert slowest < 0.4  # (a blocking read: 3 s in one step)
+    assert slowest < 1.0  # (a blocking read: 3 s in one step)
     assert len(other_tokens) == OTHER.max_tokens  # steps went on while the blocks were read
     assert cached_by_tier(result) == (0, 0, 6 * BLOCK) and sampled(result) == sampled(cold)
     assert_idle(engine)
@@ -379,8 +379,8 @@ def test_an_aborted_request_waiting_for_storage_frees_everything_and_stops_the_r
     engine.step()
     [(seq, pending)] = engine.core.scheduler.loading.items()
     assert len(pending.read.chain) == 4 and not pending.read.done(time.monotonic())
-    stats = engine.stats()  # it waits, holding the two blocks it matched and nothing else
-    assert stats.waiting == 1 and stats.running == 0 and stats.free_blocks == stats.total_blocks - 2
+    stats = engine.stats()  # it waits holding no block (the two it matched stay cached)
+    assert stats.waiting == 1 and stats.running == 0 and stats.free_blocks == stats.total_blocks
     while not reads:  # the reader is in the run's first block
         time.sleep(0.01)
     engine.abort_request("waits")

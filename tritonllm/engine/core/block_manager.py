@@ -6,8 +6,8 @@ adapters never share KV, and requests share prefixes only with requests of the s
 Freed blocks that hold a cached prefix stay findable until they are reused (LRU order); with a host tier
 (kv_tiers.py) a reused block's K/V move there first; with a storage tier every newly computed block is offered to
 it. A prefix match goes on from the device pool into the host tier, then into storage; one that reaches storage
-is finished later, once the blocks are read (`PrefixRead`): the sequence holds the blocks matched before it
-meanwhile, and nothing else."""
+is matched again once the blocks are read (`PrefixRead`), with them: the sequence holds no block meanwhile (one
+that held some while others wait for blocks could keep them all waiting)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,17 @@ from tritonllm.engine.core.prefix_keys import block_key, root_key
 from tritonllm.engine.core.sequence import CachedTokens, Sequence
 
 
+DEVICE, HOST, STORAGE = range(3)  # the tier a cached block came from: its index in CachedTokens.by_tier()
+
+
 @dataclass(frozen=True)
 class PrefixRead:
-    """A sequence's prefix match waiting on storage: the tokens found in the device pool and host memory (in its
-    block table already), and the read of the blocks after them."""
+    """A sequence's prefix match waiting on storage: its full blocks' (key, tokens), the tier each of its first
+    blocks came from (device pool, host memory: they stay in the device pool meanwhile), and the read of the
+    blocks after them."""
 
-    cached: CachedTokens
+    chain: list[tuple[bytes, tuple[int, ...]]]
+    tiers: list[int]
     read: StorageRead
 
 
@@ -79,46 +84,54 @@ class BlockManager:
 
     def allocate_cached_prefix(self, seq: Sequence) -> CachedTokens | PrefixRead:
         """Give a new sequence the cached blocks of its longest cached prefix, copying the ones found in host memory
-        into device blocks; returns the tokens they hold, by tier, or, when storage may hold the blocks after them,
-        the read of those (`finish_prefix_read` takes them once it is done).
+        into device blocks; returns the tokens they hold, by tier. When storage may hold the blocks after them,
+        starts reading those instead and returns the read, holding no block: `finish_prefix_read` matches the
+        prefix again once it is done, with the blocks read.
 
         The last token is always left to compute, since its logits are needed to sample."""
         assert not seq.block_table
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
             return CachedTokens()
         chain = self.chain(seq, (seq.num_tokens - 1) // self.block_size)
-        device = host = 0
-        for key, tokens in chain:
-            if self._reuse_cached(seq, key, tokens):
-                device += 1
-            elif self.host is not None and self.free_blocks and (kv := self.host.take(key, tokens)) is not None:
-                self._load(seq, key, tokens, kv, self.host)
-                host += 1
-            else:
-                break
-        cached = CachedTokens(device * self.block_size, host * self.block_size)
-        rest = chain[device + host:]
+        tiers = self._match(seq, chain, {})
+        rest = chain[len(tiers):]
         if self.storage is not None and rest and self.free_blocks:
-            return PrefixRead(cached, self.storage.start_read(rest[:len(self.free_blocks)]))
-        return self._count(seq, cached)
+            read = self.storage.start_read(rest[:len(self.free_blocks)])
+            self.free(seq)  # (the blocks it matched stay cached)
+            return PrefixRead(chain, tiers, read)
+        return self._count(seq, tiers)
 
     def finish_prefix_read(self, seq: Sequence, pending: PrefixRead) -> CachedTokens:
-        """Copy the blocks a done storage read found into device blocks, after the ones the sequence holds; returns
-        all the tokens of its cached prefix, by tier."""
-        device, host = pending.cached.device // self.block_size, pending.cached.host // self.block_size
-        storage = 0
-        for (key, tokens), kv in zip(pending.read.chain, self.storage.finish_read(pending.read)):
-            if self._reuse_cached(seq, key, tokens):  # computed by another sequence meanwhile
-                device += 1
-            elif self.free_blocks:
+        """Give the sequence the cached blocks of its prefix once its storage read is done, copying the ones read
+        into device blocks; returns the tokens they hold, by tier."""
+        read = dict(zip((key for key, _ in pending.read.chain), self.storage.finish_read(pending.read)))
+        tiers = self._match(seq, pending.chain, read)
+        first = len(pending.tiers)  # (found again in the device pool, or host memory: they count where they came from)
+        return self._count(seq, pending.tiers[:len(tiers)] + tiers[first:])
+
+    def _match(self, seq: Sequence, chain: list[tuple[bytes, tuple[int, ...]]], read: dict[bytes, torch.Tensor]
+               ) -> list[int]:
+        """Give the sequence the blocks of the longest run of `chain` that the device pool, host memory or `read`
+        (blocks read from storage) hold, in that order; the tier each came from (CachedTokens.by_tier's order)."""
+        tiers = []
+        for key, tokens in chain:
+            if self._reuse_cached(seq, key, tokens):
+                tiers.append(DEVICE)
+            elif not self.free_blocks:
+                break
+            elif self.host is not None and (kv := self.host.take(key, tokens)) is not None:
+                self._load(seq, key, tokens, kv, self.host)
+                tiers.append(HOST)
+            elif (kv := read.get(key)) is not None:
                 self._load(seq, key, tokens, kv, self.storage)
-                storage += 1
+                tiers.append(STORAGE)
             else:
                 break
-        return self._count(seq, CachedTokens(device * self.block_size, host * self.block_size,
-                                             storage * self.block_size))
+        return tiers
 
-    def _count(self, seq: Sequence, cached: CachedTokens) -> CachedTokens:
+    def _count(self, seq: Sequence, tiers: list[int]) -> CachedTokens:
+        """The tokens of the blocks that came from each tier, counted in the hit rates."""
+        cached = CachedTokens(*(tiers.count(tier) * self.block_size for tier in (DEVICE, HOST, STORAGE)))
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += cached.within(seq.num_prompt_tokens)
         return cached

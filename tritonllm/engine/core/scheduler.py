@@ -5,9 +5,9 @@ takes the next chunk), then waiting sequences are admitted FCFS while budget, se
 last. A long prompt is therefore split into chunks and never stalls running decodes for more than one chunk.
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept, and the prefix cache usually makes the recompute cheap).
-A sequence whose prefix match reaches the storage tier leaves the queue while the blocks are read (it holds the
-blocks matched before them, no adapter slot, no budget): the others are scheduled meanwhile, and once the read is
-done (or late: the rest is then computed) it goes back to the queue's front with its whole cached prefix.
+A sequence whose prefix match reaches the storage tier leaves the queue while the blocks are read (holding no
+block, no adapter slot, no budget): the others are scheduled meanwhile, and once the read is done (or late: the
+rest is then computed) it goes back to the queue's front with its whole cached prefix.
 A sequence with a LoRA adapter is admitted only once its adapter holds a slot of the LoRA pool; until a slot
 frees up it waits (FCFS: the requests behind it wait too).
 
