@@ -95,8 +95,8 @@ class BlockManager:
         chain = self.chain(seq, (seq.num_tokens - 1) // self.block_size)
         tiers = self._match(seq, chain, {})
         rest = chain[len(tiers):]
-        if self.storage is not None and rest and self.free_blocks:
-            read = self.storage.start_read(rest[:len(self.free_blocks)])
+        if self.storage is not None and rest:  # (all of it: blocks may free up while it is read)
+            read = self.storage.start_read(rest)
             self.free(seq)  # (the blocks it matched stay cached)
             return PrefixRead(chain, tiers, read)
         return self._count(seq, tiers)
