@@ -17,6 +17,7 @@ from tritonllm.engine.core.block_manager import BlockManager
 from tritonllm.engine.core import kv_tiers
 from tritonllm.engine.core.kv_tiers import DeviceBlocks, StorageTier, block_path, encode_block
 from tritonllm.engine.core.prefix_keys import block_key, model_key, root_key
+from tritonllm.engine.core.sequence import CachedTokens
 from tritonllm.engine.layers import linear
 from tritonllm.engine.llm_engine import LLMEngine, Request
 from tritonllm.interface.parameters import SamplingParams
@@ -137,11 +138,19 @@ def stored(directory: Path, blocks: DeviceBlocks, chain, model: bytes = MODEL, c
     return storage
 
 
+def read(storage: StorageTier, chain) -> list[torch.Tensor]:
+    """The K/V of the run of `chain`'s blocks the storage tier reads in time (the core polls between its steps)."""
+    run = storage.start_read(chain)
+    while not run.done(time.monotonic()):
+        time.sleep(0.001)
+    return storage.finish_read(run)
+
+
 def test_blocks_written_by_one_storage_tier_are_read_by_another_sharing_the_directory(tmp_path):
     blocks, chain = device_pool(), keys_of(5)
     stored(tmp_path, blocks, chain).close()
     reader = StorageTier(tmp_path, 1 << 30, MODEL, device_pool())  # another stack, or this one restarted
-    found = reader.read_run(chain)
+    found = read(reader, chain)
     assert len(found) == 5
     for block, kv in enumerate(found):
         assert torch.equal(kv, blocks.read(block))
@@ -175,7 +184,7 @@ def test_a_missing_damaged_or_foreign_file_ends_the_run_as_a_miss(tmp_path, dama
     else:  # another block's (valid) file under this key's name
         block_path(tmp_path, chain[3][0]).replace(path)
     reader = StorageTier(tmp_path, 1 << 30, MODEL, device_pool())
-    assert len(reader.read_run(chain)) == 2
+    assert len(read(reader, chain)) == 2
     assert not path.exists()  # a damaged file is removed, to be written again
 
 
@@ -185,7 +194,7 @@ def test_a_slow_read_is_a_miss_after_a_bounded_wait(tmp_path, monkeypatch):
     reader = StorageTier(tmp_path, 1 << 30, MODEL, device_pool())
     monkeypatch.setattr(kv_tiers, "read_block_file", lambda path: time.sleep(3) or path.read_bytes())
     started = time.monotonic()
-    assert reader.read_run(chain) == []
+    assert read(reader, chain) == []
     assert time.monotonic() - started < kv_tiers.BLOCK_READ_WAIT_SECONDS + 0.5
 
 
@@ -206,7 +215,7 @@ def test_storage_is_bounded_in_bytes_least_recently_used_out(tmp_path):
     blocks, chain = device_pool(), keys_of(5)
     size = len(encode_block(MODEL, *chain[0], blocks.read(0)))
     storage = stored(tmp_path, blocks, chain[:3], capacity=3 * size)
-    assert len(storage.read_run(chain[:1])) == 1  # block 0 is now the most recently used
+    assert len(read(storage, chain[:1])) == 1  # block 0 is now the most recently used
     assert storage.wait_for_writes(10.0)
     for block in (3, 4):
         storage.offer(*chain[block], block)
@@ -216,6 +225,16 @@ def test_storage_is_bounded_in_bytes_least_recently_used_out(tmp_path):
     storage.close()
 
 
+def match(manager: BlockManager, seq) -> CachedTokens:
+    """The sequence's cached prefix, once its storage read (if any) is done."""
+    pending = manager.allocate_cached_prefix(seq)
+    if isinstance(pending, CachedTokens):
+        return pending
+    while not pending.read.done(time.monotonic()):
+        time.sleep(0.001)
+    return manager.finish_prefix_read(seq, pending)
+
+
 def test_a_lower_tier_run_takes_the_device_pools_block_where_it_still_holds_one(tmp_path):
     """The prompt's first block left the device pool, its second did not: storage gives the first, the device pool
     the second (registering storage's copy of it too would leave two blocks under one key)."""
@@ -223,7 +242,7 @@ def test_a_lower_tier_run_takes_the_device_pools_block_where_it_still_holds_one(
     manager = BlockManager(4, 4, model=MODEL, storage=StorageTier(tmp_path, 1 << 30, MODEL, blocks))
     prompt = distinct_prompt(9, start=100)
     first = make_sequence(prompt)
-    manager.allocate_cached_prefix(first)
+    assert match(manager, first).total == 0
     assert manager.ensure_slots(first, 9)
     first.num_computed_tokens = 9
     manager.cache_full_blocks(first)
@@ -233,7 +252,7 @@ def test_a_lower_tier_run_takes_the_device_pools_block_where_it_still_holds_one(
     manager.free_blocks.move_to_end(first_block, last=False)  # the least recently used: the next one reused
     assert manager.ensure_slots(make_sequence(distinct_prompt(4, start=500)), 4)  # takes the first block
     again = make_sequence(prompt)
-    assert manager.allocate_cached_prefix(again).by_tier() == (4, 0, 4)
+    assert match(manager, again).by_tier() == (4, 0, 4)
     assert again.block_table[1] == second_block
     assert all(manager.key_to_block[key] == block for block, key in enumerate(manager.block_keys) if key is not None)
     assert len(manager.key_to_block) == 2
@@ -281,3 +300,93 @@ def test_engine_steps_never_wait_for_a_slow_storage_writer(tiny_model_dir, tmp_p
         engine.step()
         slowest = max(slowest, time.monotonic() - started)
     assert slowest < 1.0 and engine.core.block_manager.storage.dropped_writes > 0
+
+
+# --- storage reads never hold up the core: the sequence waits for its blocks, off the batch ---
+
+OTHER = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def restarted_on_stored_prompt(model_dir: Path, directory: Path) -> tuple[Result, LLMEngine]:
+    """PROMPT's cold run, and a new engine on the storage directory that run wrote its blocks to."""
+    first = tiered_engine(model_dir, kv_storage_dir=str(directory))
+    cold = run(first, PROMPT)
+    first.shutdown()  # (lets the queued writes land)
+    return cold, tiered_engine(model_dir, kv_storage_dir=str(directory))
+
+
+def slow_reads(monkeypatch, seconds_a_block: float) -> list[Path]:
+    """Make every block file take `seconds_a_block` to read; returns the paths read so far."""
+    reads = []
+    monkeypatch.setattr(kv_tiers, "read_block_file",
+                        lambda path: reads.append(path) or time.sleep(seconds_a_block) or path.read_bytes())
+    return reads
+
+
+def run_beside_another(engine: LLMEngine, prompt: list[int]) -> tuple[Result, list[int], float]:
+    """`prompt` added while another sequence decodes: its result, the other's tokens emitted before the prompt's
+    first token, and the longest step."""
+    engine.add_request(Request("other", list(range(5000, 5000 + 2 * BLOCK)), OTHER))
+    while not engine.core.scheduler.running:
+        engine.step()
+    result, other_tokens, slowest = Result(Request("prompt", prompt, SEEDED)), [], 0.0
+    engine.add_request(result.request)
+    while engine.has_unfinished_requests():
+        started = time.monotonic()
+        outputs = engine.step()
+        slowest = max(slowest, time.monotonic() - started)
+        for output in outputs:
+            if output.request_id == "prompt":
+                result.outputs.append(output)
+            elif not result.outputs:
+                other_tokens += output.choices[0].token_ids
+    return result, other_tokens, slowest
+
+
+def test_a_slow_storage_read_holds_up_no_other_sequences_step(tiny_model_dir, tmp_path, monkeypatch):
+    """Half a second a block, every block in time: the prompt waits the 3 s its six blocks take while the other
+    sequence decodes at full speed (to its end), then runs from storage's blocks, bit-identical to its cold run."""
+    cold, engine = restarted_on_stored_prompt(tiny_model_dir, tmp_path)
+    slow_reads(monkeypatch, 0.5)
+    monkeypatch.setattr(kv_tiers, "BLOCK_READ_WAIT_SECONDS", 5.0)
+    result, other_tokens, slowest = run_beside_another(engine, PROMPT)
+    assert slowest < 1.0  # (a blocking read: 3 s in one step)
+    assert len(other_tokens) == OTHER.max_tokens  # steps went on while the blocks were read
+    assert cached_by_tier(result) == (0, 0, 6 * BLOCK) and sampled(result) == sampled(cold)
+    assert_idle(engine)
+    engine.shutdown()
+
+
+def test_a_storage_read_that_is_late_is_a_miss_and_the_prompt_runs_cold(tiny_model_dir, tmp_path, monkeypatch):
+    """Five seconds a block, a tenth of a second allowed: the prompt computes its prefix instead of waiting."""
+    cold, engine = restarted_on_stored_prompt(tiny_model_dir, tmp_path)
+    slow_reads(monkeypatch, 5.0)
+    started = time.monotonic()
+    result = run(engine, PROMPT)
+    assert time.monotonic() - started < 4.0  # not even the first block was waited for
+    assert cached_by_tier(result) == (0, 0, 0) and sampled(result) == sampled(cold)
+    assert_idle(engine)
+    engine.shutdown()
+
+
+def test_an_aborted_request_waiting_for_storage_frees_everything_and_stops_the_read(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    _, engine = restarted_on_stored_prompt(tiny_model_dir, tmp_path)
+    run(engine, PROMPT[:2 * BLOCK + 1])  # the prompt's first two blocks are in the device pool: the read starts after
+    reads = slow_reads(monkeypatch, 1.0)
+    monkeypatch.setattr(kv_tiers, "BLOCK_READ_WAIT_SECONDS", 5.0)
+    engine.add_request(Request("waits", PROMPT, SEEDED))
+    engine.step()
+    [(seq, pending)] = engine.core.scheduler.loading.items()
+    assert len(pending.read.chain) == 4 and not pending.read.done(time.monotonic())
+    stats = engine.stats()  # it waits holding no block (the two it matched stay cached)
+    assert stats.waiting == 1 and stats.running == 0 and stats.free_blocks == stats.total_blocks
+    while not reads:  # the reader is in the run's first block
+        time.sleep(0.01)
+    engine.abort_request("waits")
+    engine.step()
+    assert pending.read.cancelled.is_set() and not engine.core.scheduler.loading
+    assert_idle(engine)
+    time.sleep(2.5)
+    assert len(reads) == 1  # the block being read when it was aborted, no other
+    engine.shutdown()

@@ -5,17 +5,34 @@ The chain starts from the model's identity, the sequence's LoRA adapter and its 
 adapters never share KV, and requests share prefixes only with requests of the same salt.
 Freed blocks that hold a cached prefix stay findable until they are reused (LRU order); with a host tier
 (kv_tiers.py) a reused block's K/V move there first; with a storage tier every newly computed block is offered to
-it. A prefix match goes on from the device pool into the host tier, then into storage."""
+it. A prefix match goes on from the device pool into the host tier, then into storage; one that reaches storage
+is matched again once the blocks are read (`PrefixRead`), with them: the sequence holds no block meanwhile (one
+that held some while others wait for blocks could keep them all waiting)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
-from tritonllm.engine.core.kv_tiers import HostTier, StorageTier
+from tritonllm.engine.core.kv_tiers import HostTier, StorageRead, StorageTier
 from tritonllm.engine.core.prefix_keys import block_key, root_key
 from tritonllm.engine.core.sequence import CachedTokens, Sequence
+
+
+DEVICE, HOST, STORAGE = range(3)  # the tier a cached block came from: its index in CachedTokens.by_tier()
+
+
+@dataclass(frozen=True)
+class PrefixRead:
+    """A sequence's prefix match waiting on storage: its full blocks' (key, tokens), the tier each of its first
+    blocks came from (device pool, host memory: they stay in the device pool meanwhile), and the read of the
+    blocks after them."""
+
+    chain: list[tuple[bytes, tuple[int, ...]]]
+    tiers: list[int]
+    read: StorageRead
 
 
 class BlockManager:
@@ -65,35 +82,56 @@ class BlockManager:
             del self.free_blocks[block]
         self.ref_counts[block] += 1
 
-    def allocate_cached_prefix(self, seq: Sequence) -> CachedTokens:
-        """Give a new sequence the cached blocks of its longest cached prefix, copying the ones found in a lower
-        tier into device blocks; returns the tokens they hold, by tier.
+    def allocate_cached_prefix(self, seq: Sequence) -> CachedTokens | PrefixRead:
+        """Give a new sequence the cached blocks of its longest cached prefix, copying the ones found in host memory
+        into device blocks; returns the tokens they hold, by tier. When storage may hold the blocks after them,
+        starts reading those instead and returns the read, holding no block: `finish_prefix_read` matches the
+        prefix again once it is done, with the blocks read.
 
         The last token is always left to compute, since its logits are needed to sample."""
         assert not seq.block_table
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs or seq.needs_prompt_hidden_states:
             return CachedTokens()
         chain = self.chain(seq, (seq.num_tokens - 1) // self.block_size)
-        device = host = storage = 0
+        tiers = self._match(seq, chain, {})
+        rest = chain[len(tiers):]
+        if self.storage is not None and rest:  # (all of it: blocks may free up while it is read)
+            read = self.storage.start_read(rest)
+            self.free(seq)  # (the blocks it matched stay cached)
+            return PrefixRead(chain, tiers, read)
+        return self._count(seq, tiers)
+
+    def finish_prefix_read(self, seq: Sequence, pending: PrefixRead) -> CachedTokens:
+        """Give the sequence the cached blocks of its prefix once its storage read is done, copying the ones read
+        into device blocks; returns the tokens they hold, by tier."""
+        read = dict(zip((key for key, _ in pending.read.chain), self.storage.finish_read(pending.read)))
+        tiers = self._match(seq, pending.chain, read)
+        first = len(pending.tiers)  # (found again in the device pool, or host memory: they count where they came from)
+        return self._count(seq, pending.tiers[:len(tiers)] + tiers[first:])
+
+    def _match(self, seq: Sequence, chain: list[tuple[bytes, tuple[int, ...]]], read: dict[bytes, torch.Tensor]
+               ) -> list[int]:
+        """Give the sequence the blocks of the longest run of `chain` that the device pool, host memory or `read`
+        (blocks read from storage) hold, in that order; the tier each came from (CachedTokens.by_tier's order)."""
+        tiers = []
         for key, tokens in chain:
             if self._reuse_cached(seq, key, tokens):
-                device += 1
-            elif self.host is not None and self.free_blocks and (kv := self.host.take(key, tokens)) is not None:
+                tiers.append(DEVICE)
+            elif not self.free_blocks:
+                break
+            elif self.host is not None and (kv := self.host.take(key, tokens)) is not None:
                 self._load(seq, key, tokens, kv, self.host)
-                host += 1
+                tiers.append(HOST)
+            elif (kv := read.get(key)) is not None:
+                self._load(seq, key, tokens, kv, self.storage)
+                tiers.append(STORAGE)
             else:
                 break
-        rest = chain[device + host:]
-        if self.storage is not None and rest and self.free_blocks:
-            for (key, tokens), kv in zip(rest, self.storage.read_run(rest[:len(self.free_blocks)])):
-                if self._reuse_cached(seq, key, tokens):
-                    device += 1
-                elif self.free_blocks:
-                    self._load(seq, key, tokens, kv, self.storage)
-                    storage += 1
-                else:
-                    break
-        cached = CachedTokens(device * self.block_size, host * self.block_size, storage * self.block_size)
+        return tiers
+
+    def _count(self, seq: Sequence, tiers: list[int]) -> CachedTokens:
+        """The tokens of the blocks that came from each tier, counted in the hit rates."""
+        cached = CachedTokens(*(tiers.count(tier) * self.block_size for tier in (DEVICE, HOST, STORAGE)))
         self.prefix_queries += seq.num_prompt_tokens
         self.prefix_hits += cached.within(seq.num_prompt_tokens)
         return cached
@@ -180,6 +218,7 @@ class BlockManager:
         seq.block_table = []
         seq.full_block_keys = []
         seq.num_computed_tokens = 0
+        seq.prefix_matched = False
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -65,7 +65,7 @@ class CoreLoop:
             self._core = build_core()
             self._max_queue_len = self._core.config.max_queue_len
             self._max_step_failures = self._core.config.max_step_failures
-            self._core.on_grammar_ready = self._wakeup.set
+            self._core.wake = self._wakeup.set
             self._publish_stats()
         except BaseException as exc:  # handed to start(), which raises it on the caller's thread
             built.put(exc)
@@ -150,7 +150,7 @@ class CoreLoop:
                 outputs += self._step()
                 self._publish_stats()
             elif not outputs:
-                self._wakeup.wait(timeout=1.0)
+                self._wakeup.wait(timeout=self._core.idle_wait(1.0))
                 self._wakeup.clear()
                 continue
             if outputs:

@@ -104,7 +104,10 @@ class EngineCore:
         self._compiling: dict[str, CoreRequest] = {}  # waiting for their grammar; not yet scheduled
         self._ready_outputs: list[CoreOutput] = []  # produced outside step(): aborts, requests that failed to add
         self._last_batch = "no step yet"  # what the latest step ran, for the log when a step fails
-        self.on_grammar_ready: Callable[[], None] = lambda: None  # the core loop's wake-up call
+        # the core loop's wake-up call: a request became schedulable (its grammar compiled, its storage read ended)
+        self.wake: Callable[[], None] = lambda: None
+        if self.block_manager.storage is not None:
+            self.block_manager.storage.on_read_done = lambda: self.wake()
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         log.info("engine core ready in %.1f s: %s, max_model_len %d", time.monotonic() - started, model_dir,
@@ -145,7 +148,7 @@ class EngineCore:
         self.num_prompt_tokens += len(request.prompt_token_ids)
         if request.grammar is not None:  # scheduled once compiled: a slow compile holds back this request alone
             self._compiling[request.request_id] = request
-            request.grammar.add_done_callback(lambda _: self.on_grammar_ready())
+            request.grammar.add_done_callback(lambda _: self.wake())
             return
         for seq in request.sequences:
             self.scheduler.add(seq)
@@ -183,6 +186,11 @@ class EngineCore:
         """Whether step() has anything to do now (a request whose grammar still compiles has not)."""
         return (self.scheduler.has_work() or bool(self._ready_outputs)
                 or any(request.grammar.done() for request in self._compiling.values()))
+
+    def idle_wait(self, longest: float) -> float:
+        """How long the loop may sleep when it has no work (at most `longest`): until a storage read is late."""
+        deadline = self.scheduler.next_read_deadline()
+        return longest if deadline is None else min(longest, max(0.0, deadline - time.monotonic()))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._ready_outputs)

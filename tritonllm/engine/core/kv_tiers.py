@@ -2,8 +2,10 @@
 keeps the full blocks the device pool evicts, and a directory of block files that every computed block is written
 to, shared by the stacks that mount it and kept across restarts; each drops its least recently used blocks.
 
-A prefix match runs device → host → storage: the block manager takes a device block for each lower-tier hit and
-copies the block's K/V into it while it schedules, so the step that needs them finds them in place. Copies are
+A prefix match runs device → host → storage: the block manager takes a device block for each host hit and copies
+the block's K/V into it while it schedules, so the step that needs them finds them in place. Storage is slower: a
+match that reaches it starts a read (`StorageRead`) and the sequence waits for it, off the batch, while the others
+step; the core picks up the blocks read at the top of a later step and copies them into device blocks. Copies are
 exact (the same dtype, the same bytes), so a hit gives the output a cold run gives. The host tier lives on the
 core's thread; the storage tier's files are written and read by threads of its own."""
 
@@ -18,8 +20,9 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -106,8 +109,9 @@ class HostTier:
 
 
 WRITE_QUEUE_BLOCKS = 64  # blocks waiting for the storage writer; when full, a block is not written (never waited for)
-# the longest an admission waits for the next block of a storage read: a block that has not come by then, and those
-# after it, are a miss (a run of blocks that keep coming is read whole: far faster than computing it)
+# the longest a sequence waits for the next block of a storage read (no other sequence waits for it): a block that
+# has not come by then, and those after it, are a miss (a run of blocks that keep coming is read whole: far faster
+# than computing it)
 BLOCK_READ_WAIT_SECONDS = 0.1
 RESCAN_SECONDS = 60.0  # how often the writer re-reads the directory, to see the files other stacks wrote
 _HEADER = struct.Struct("<8s16s16sIQI")  # magic, model key, block key, token count, payload bytes, payload crc32
@@ -157,11 +161,43 @@ class _Touch:  # a block was read: it becomes the most recently used
     key: bytes
 
 
-@dataclass
-class _ReadRun:
-    chain: list[tuple[bytes, tuple[int, ...]]]
-    results: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # K/V per block, None at the first miss
-    cancelled: threading.Event = field(default_factory=threading.Event)
+@dataclass(frozen=True)
+class BlockRead:
+    """The reader's message to the core: the next block of a run (its K/V on the host), or None at the first miss."""
+
+    kv: torch.Tensor | None
+    at: float  # when it was read (time.monotonic)
+
+
+class StorageRead:
+    """A run of blocks read from storage for one sequence. The reader thread sends a BlockRead per block through
+    `arrivals` and stops at the first miss or once `cancelled`; everything else is the core thread's."""
+
+    def __init__(self, chain: list[tuple[bytes, tuple[int, ...]]]):
+        self.chain = chain
+        self.arrivals: queue.SimpleQueue[BlockRead] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.found: list[torch.Tensor] = []  # the K/V read so far, in order
+        self.deadline = time.monotonic() + BLOCK_READ_WAIT_SECONDS  # for the next block
+        self.missed = False
+
+    def done(self, now: float) -> bool:
+        """Whether the run is over: every block read, a miss, or the next block late (the rest is then a miss)."""
+        while not self.missed and len(self.found) < len(self.chain):
+            try:
+                block = self.arrivals.get_nowait()
+            except queue.Empty:
+                return now >= self.deadline
+            if block.kv is None:
+                self.missed = True
+            else:
+                self.found.append(block.kv)
+                self.deadline = block.at + BLOCK_READ_WAIT_SECONDS
+        return True
+
+    def cancel(self) -> None:
+        """Stop reading (the sequence no longer waits: its run is over, or it was aborted)."""
+        self.cancelled.set()
 
 
 class StorageTier:
@@ -170,9 +206,10 @@ class StorageTier:
     restart, and serves the other stacks sharing the directory.
 
     The core never waits for a write: a writer thread owns the files and their index, fed by a bounded queue
-    (a full queue drops the block). It waits for reads a bounded time only: a reader thread reads a run of blocks
-    and hands them over one by one, each within BLOCK_READ_WAIT_SECONDS or never; a slow, missing, truncated,
-    corrupted or foreign file ends the run (a miss).
+    (a full queue drops the block). Nor for a read: a reader thread reads a run of blocks (`start_read`) and hands
+    them over one by one, and the sequence that asked waits for each at most BLOCK_READ_WAIT_SECONDS; a slow,
+    missing, truncated, corrupted or foreign file ends the run (a miss). The reader calls `on_read_done` when it
+    leaves a run (the core loop's wake-up call).
     Files are written under a temporary name and renamed, so a reader never sees half a file."""
 
     def __init__(self, directory: str | Path, capacity: int, model: bytes, blocks: DeviceBlocks):
@@ -184,7 +221,8 @@ class StorageTier:
         self.dropped_writes = 0  # blocks not written because the writer was behind
         self._recent: OrderedDict[bytes, None] = OrderedDict()  # keys written or read lately: not offered again
         self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_BLOCKS)
-        self._reads: queue.SimpleQueue = queue.SimpleQueue()
+        self._reads: queue.SimpleQueue[StorageRead | None] = queue.SimpleQueue()
+        self.on_read_done: Callable[[], None] = lambda: None  # called on the reader's thread
         self._threads = [threading.Thread(target=self._write_loop, name="kv-storage-writer", daemon=True),
                          threading.Thread(target=self._read_loop, name="kv-storage-reader", daemon=True)]
         for thread in self._threads:
@@ -202,27 +240,22 @@ class StorageTier:
         self._writes.put_nowait(_Write(key, tokens, self.blocks.read(block)))
         self._remember(key)
 
-    def read_run(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> list[torch.Tensor]:
-        """The K/V of the longest run of `chain`'s blocks read each within BLOCK_READ_WAIT_SECONDS of the last."""
-        run = _ReadRun(chain)
-        self._reads.put(run)
-        found: list[torch.Tensor] = []
-        while len(found) < len(chain):
-            try:
-                kv = run.results.get(timeout=BLOCK_READ_WAIT_SECONDS)
-            except queue.Empty:
-                break
-            if kv is None:
-                break
-            found.append(kv)
-        run.cancelled.set()
-        for key, _ in chain[:len(found)]:
+    def start_read(self, chain: list[tuple[bytes, tuple[int, ...]]]) -> StorageRead:
+        """Start reading the K/V of `chain`'s blocks; the caller polls `done` and then calls `finish_read`."""
+        read = StorageRead(chain)
+        self._reads.put(read)
+        return read
+
+    def finish_read(self, read: StorageRead) -> list[torch.Tensor]:
+        """The K/V of the run's blocks read in time (after `read.done`); they become the most recently used."""
+        read.cancel()
+        for key, _ in read.chain[:len(read.found)]:
             self._remember(key)
             try:
                 self._writes.put_nowait(_Touch(key))
             except queue.Full:
                 pass
-        return found
+        return read.found
 
     def wait_for_writes(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) for the queued writes to land; whether they did."""
@@ -254,9 +287,10 @@ class StorageTier:
                 if run.cancelled.is_set():
                     break
                 kv = self._read(key, tokens)
-                run.results.put(kv)
+                run.arrivals.put(BlockRead(kv, time.monotonic()))
                 if kv is None:
                     break
+            self.on_read_done()
 
     def _read(self, key: bytes, tokens: tuple[int, ...]) -> torch.Tensor | None:
         try:

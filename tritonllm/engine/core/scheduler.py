@@ -5,6 +5,9 @@ takes the next chunk), then waiting sequences are admitted FCFS while budget, se
 last. A long prompt is therefore split into chunks and never stalls running decodes for more than one chunk.
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept, and the prefix cache usually makes the recompute cheap).
+A sequence whose prefix match reaches the storage tier leaves the queue while the blocks are read (holding no
+block, no adapter slot, no budget): the others are scheduled meanwhile, and once the read is done (or late: the
+rest is then computed) it goes back to the queue's front with its whole cached prefix.
 A sequence with a LoRA adapter is admitted only once its adapter holds a slot of the LoRA pool; until a slot
 frees up it waits (FCFS: the requests behind it wait too).
 
@@ -19,12 +22,13 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
-from tritonllm.engine.core.block_manager import BlockManager
+from tritonllm.engine.core.block_manager import BlockManager, PrefixRead
 from tritonllm.engine.core.lora_slots import LoraSlotPool
-from tritonllm.engine.core.sequence import Sequence, SequenceStatus
+from tritonllm.engine.core.sequence import CachedTokens, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[Sequence, PrefixRead] = {}  # waiting for their prefix's blocks from storage
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -66,7 +71,13 @@ class Scheduler:
             queue.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether schedule() may have something to schedule now (a sequence whose storage read goes on has not)."""
+        now = time.monotonic()
+        return bool(self.waiting or self.running or any(p.read.done(now) for p in self.loading.values()))
+
+    def next_read_deadline(self) -> float | None:
+        """When the earliest storage read a sequence waits for is late (time.monotonic), if any."""
+        return min((pending.read.deadline for pending in self.loading.values()), default=None)
 
     def num_running_requests(self) -> int:
         return len({id(seq.request) for seq in self.running})
@@ -75,9 +86,10 @@ class Scheduler:
         """Requests none of whose sequences runs (a request counts once, whatever its n; one with a sequence
         running is running, even while another of its sequences waits after a preemption)."""
         running = {id(seq.request) for seq in self.running}
-        return len({id(seq.request) for seq in self.waiting} - running)
+        return len({id(seq.request) for seq in (*self.waiting, *self.loading)} - running)
 
     def schedule(self) -> list[ScheduledSequence]:
+        self._requeue_loaded()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted = False
@@ -111,11 +123,15 @@ class Scheduler:
                 continue
             if not self._hold_lora_slot(seq):
                 break
-            if not seq.block_table:
-                cached = self.block_manager.allocate_cached_prefix(seq)
-                seq.num_computed_tokens = cached.total
-                if seq.num_output_tokens == 0:
-                    seq.cached_tokens = cached
+            if not seq.prefix_matched:
+                match = self.block_manager.allocate_cached_prefix(seq)
+                if isinstance(match, PrefixRead):
+                    self.waiting.popleft()
+                    self._release_lora_slot(seq)
+                    seq.status = SequenceStatus.LOADING
+                    self.loading[seq] = match
+                    continue
+                self._matched(seq, match)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 self.block_manager.free(seq)  # don't pin cached blocks (or an adapter slot) while waiting
@@ -142,6 +158,22 @@ class Scheduler:
             return
         seq.status = SequenceStatus.RUNNING
         self._enqueue(self.running, seq, front=False)
+
+    def _requeue_loaded(self) -> None:
+        """Sequences whose storage read is done take its blocks and go back to the queue's front."""
+        now = time.monotonic()
+        done = [seq for seq, pending in self.loading.items() if pending.read.done(now)]
+        for seq in sorted(done, key=_rank, reverse=True):  # (each goes to the front: the first last)
+            self._matched(seq, self.block_manager.finish_prefix_read(seq, self.loading.pop(seq)))
+            seq.status = SequenceStatus.WAITING
+            self._enqueue(self.waiting, seq, front=True)
+
+    @staticmethod
+    def _matched(seq: Sequence, cached: CachedTokens) -> None:
+        seq.prefix_matched = True
+        seq.num_computed_tokens = cached.total
+        if seq.num_output_tokens == 0:
+            seq.cached_tokens = cached
 
     def _preempt_worse_priority(self, seq: Sequence, scheduled: list[ScheduledSequence]) -> int | None:
         """Under priority, preempt the worst-ranked running sequence for `seq` if its priority is strictly worse;
@@ -172,6 +204,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.loading:
+            self.loading.pop(seq).read.cancel()
         self.block_manager.free(seq)
         self._release_lora_slot(seq)
 

@@ -50,6 +50,7 @@ class CachedTokens:
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # off the queue, waiting for its prefix's blocks from storage (scheduler.py)
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -103,6 +104,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.full_block_keys: list[bytes] = []  # prefix-cache key of each full block, in order
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.prefix_matched = False  # its cached prefix is in block_table (until its blocks are freed)
         self.cached_tokens = CachedTokens()  # prompt tokens that came from the prefix cache at first admission
         self.generator = generator
         self.grammar = None  # llguidance matcher of a constrained request (structured_output.py), else None
