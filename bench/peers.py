@@ -54,7 +54,7 @@ from tritonllm.engine.config import EngineConfig
 from tritonllm.launcher import ENGINE_ENV, answers_ok
 from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.model_files import converted_gguf_dir, default_gguf_path, prepare_default_model
-from stack_helpers import descendant_pids, free_ports, running_stack
+from stack_helpers import command_line, descendant_pids, free_ports, running_stack
 from tritonllm.scale_out import Child
 
 OURS = "tritonllm serve"
@@ -119,8 +119,18 @@ class PeakMemory:
                 except (OSError, KeyError, ValueError):  # ended, or a zombie
                     continue
                 total += rss
-                self.process_peaks[pid] = (status["Name"].strip(), hwm)
+                self.process_peaks[pid] = (self._name(pid, status["Name"].strip()), hwm)
             self.peak_rss = max(self.peak_rss, total)
+
+    @staticmethod
+    def _name(pid: int, name: str) -> str:
+        """A Python process by what it runs (`-m tritonllm serve`, a script's name), another by its own name."""
+        if not name.startswith("python"):
+            return name
+        args = command_line(pid)[1:]
+        if "-m" in args:
+            return " ".join(args[args.index("-m") + 1:][:2])
+        return Path(args[0]).name if args else name
 
     def stop(self) -> "PeakMemory":
         self._stop.set()

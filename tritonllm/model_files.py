@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -222,8 +224,12 @@ def convert_gguf(gguf_path: Path, target: Path, force: bool = False, dense: bool
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server running as another user
         try:
-            if dense or not _link_gguf(gguf_path, staging):
-                _write_hf_model(gguf_path, staging)
+            # In a child process: what preparing imports and allocates (transformers, the tokenizer's conversion, a
+            # dense model) stays out of this one, which may go on to serve for days.
+            done = subprocess.run([sys.executable, "-c", _PREPARE_IN_CHILD, str(gguf_path), str(staging),
+                                   "dense" if dense else ""])
+            if done.returncode != 0:
+                raise RuntimeError(f"preparing {gguf_path} failed (exit status {done.returncode}; its error is above)")
             _replace_dir(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -238,6 +244,16 @@ def _exclusive_lock(lock_path: Path):
             yield
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def write_prepared(gguf_path: str, out_dir: str, dense: str) -> None:
+    """convert_gguf's work, in its child process: a link (a llama or qwen3 file, unless `dense`), else the dense
+    conversion."""
+    if dense or not _link_gguf(Path(gguf_path), Path(out_dir)):
+        _write_hf_model(Path(gguf_path), Path(out_dir))
+
+
+_PREPARE_IN_CHILD = "import sys; from tritonllm.model_files import write_prepared; write_prepared(*sys.argv[1:])"
 
 
 def _link_gguf(gguf_path: Path, out_dir: Path) -> bool:
