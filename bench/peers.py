@@ -54,6 +54,7 @@ from tritonllm.engine.config import EngineConfig
 from tritonllm.launcher import ENGINE_ENV, answers_ok
 from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.model_files import converted_gguf_dir, default_gguf_path, prepare_default_model
+import stack_helpers
 from stack_helpers import command_line, descendant_pids, free_ports, running_stack
 from tritonllm.scale_out import Child
 
@@ -237,6 +238,7 @@ def measure_ours(args: argparse.Namespace, levels: list[int], model: Path, log_d
     measured = Measured(OURS, "this checkout", ["tritonllm", "serve", "--model", str(model), *options], None)
     if model.is_file():
         shutil.rmtree(converted_gguf_dir(model).parent, ignore_errors=True)
+    stack_helpers.STACK_START_TIMEOUT_S = args.ready_timeout  # a first start from a GGUF converted it (minutes)
     print(f"{OURS}: starting (logs: {log_dir / 'tritonllm'})", flush=True)
     (log_dir / "tritonllm").mkdir()
     started, memory = time.monotonic(), PeakMemory()
