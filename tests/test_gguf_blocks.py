@@ -1,7 +1,8 @@
 """GGUF files run on their own blocks: Q4_0, Q4_1 and Q4_K repacked exactly onto the int4 kernels, Q8_0 (and
 Q5_0 as Q8_0) on the Q8_0 kernel, Q6_K on a kernel of its own, for llama and qwen3 files; what the kernels compute
 is `gguf.quants.dequantize`'s weights to the bit; a type without a kernel runs dequantized, said once in the log;
-the engine's logits are the dense model's."""
+the engine's logits are the dense model's. A file is read as it is, without a dense copy on disk or in memory,
+to the same logits as its dense conversion with the blocks beside it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tritonllm.engine.models import weights as weights_module
 from tritonllm.gguf_blocks import COVERED_TYPES, Int4Blocks, Q8Blocks, kernel_blocks
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.kernels import cpu as cpu_ops
-from tritonllm.model_files import convert_gguf, cpu_ops_dir
+from tritonllm.model_files import GGUF_LINK, convert_gguf, cpu_ops_dir
 from engine_helpers import generate, prefill_logits
 from gguf_models import MIXED_TYPES, random_blocks, write_tiny_gguf
 
@@ -85,49 +86,82 @@ TYPES = {"llama": {**MIXED_TYPES, (1, "ffn_down"): Type.Q6_K}, "qwen3": MIXED_TY
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def gguf_model_dir(request, tmp_path_factory) -> Path:
+    """A tiny GGUF prepared as a user's file is: its config and tokenizer, and a link to it. Beside it, in
+    ../converted, the same file's dense conversion (transformers' dequantization, the blocks kept beside it)."""
     arch = request.param
     root = tmp_path_factory.mktemp(f"gguf-{arch}")
     path = write_tiny_gguf(root / f"tiny-{arch}.gguf", arch, TYPES[arch], head=Type.Q6_K if arch == "llama" else None)
-    return convert_gguf(path, root / "converted")
+    convert_gguf(path, root / "converted", dense=True)
+    return convert_gguf(path, root / "linked")
 
 
 @pytest.fixture(scope="module")
-def dense_model(gguf_model_dir):
-    """The converted file as loaded: transformers' dequantization of it, plain fp32 modules."""
-    return registry.from_pretrained(gguf_model_dir, torch.float32, torch.device("cpu"))
+def converted_model_dir(gguf_model_dir) -> Path:
+    return gguf_model_dir.parent / "converted"
 
 
-def test_projections_run_on_the_files_blocks(gguf_model_dir, dense_model, caplog):
-    with caplog.at_level(logging.INFO, logger=weights_module.__name__):
-        model, description = load_model(EngineConfig(weight_format="int4"), gguf_model_dir, torch.device("cpu"))
-    assert description == "int4 (cpu_ops kernel, float32 activations)"
-    llama = not model.arch.qk_norm
-    assert ("GGUF type Q5_K: 1 tensors" in caplog.text) == (not llama)
-    assert "1 fused projections (qkv, gate_up) mix kinds of blocks" in caplog.text
-    kinds = [[type(getattr(owner, name)).__name__ for owner, name in model._projections(i)] for i in range(2)]
-    # qkv, o, gate_up, down: layer 0 Q4_K, Q4_0, Q4_1, Q8_0; layer 1 Q4_K + Q6_K, Q5_0, Q6_K, Q6_K (llama) or Q5_K
-    assert kinds == [["Q4Projection", "Q4Projection", "Q4Projection", "Q8Projection"],
-                     ["PartsProjection", "Q8Projection", "Q6Projection",
-                      "Q6Projection" if llama else "Float16Projection"]]
-    qkv = model.layers[1].self_attn.qkv_proj  # q and k as one int4 projection, then v's Q6_K
-    assert [type(part).__name__ for part in qkv.parts] == ["Q4Projection", "Q6Projection"]
-    assert type(model.lm_head).__name__ == ("Q6Projection" if llama else "Q8Projection")  # untied Q6_K, tied Q8_0
-    assert model.decodes_in_one_call == llama
-    pairs = [(model.lm_head, dense_model.head_weight())] + [
-        (getattr(owner, name), dense) for i in range(2)
-        for (owner, name), dense in zip(model._projections(i), dense_model.projection_weights(i))]
-    for projection, dense in pairs:
-        if not isinstance(projection, linear.Float16Projection):
-            # the file's numbers (the dense model is transformers' dequantization of them), to the bit
-            assert torch.equal(_identity_outputs(projection, dense.shape[1]), dense)
+@pytest.fixture(scope="module")
+def dense_model(converted_model_dir):
+    """The dense conversion as loaded: transformers' dequantization of the file, plain fp32 modules."""
+    return registry.from_pretrained(converted_model_dir, torch.float32, torch.device("cpu"))
+
+
+def test_a_gguf_is_prepared_without_a_dense_copy(gguf_model_dir):
+    """The prepared directory is config, tokenizer and a link: no weights written (a dense conversion of this tiny
+    file is 50 MB of float32)."""
+    assert (gguf_model_dir / GGUF_LINK).resolve() == next(gguf_model_dir.parent.glob("*.gguf")).resolve()
+    assert not list(gguf_model_dir.rglob("*.safetensors"))
+    written = sum(p.stat().st_size for p in gguf_model_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    assert written < 8 << 20  # the tokenizer's files
+
+
+def test_a_gguf_loads_as_its_blocks_alone(gguf_model_dir):
+    """Every projection and head the kernels run from blocks has no dense weight in memory (a meta tensor): what
+    is dense is the embedding (looked up), the norms and a type without a kernel (qwen3's Q5_K down)."""
+    model, blocks = registry.load_for_cpu(gguf_model_dir)
+    arch, dense = model.arch, []
+    for i in range(arch.num_layers):
+        for (owner, name), block in zip(model._projections(i), blocks.layers[i]):
+            if not getattr(owner, name).weight.is_meta:
+                dense.append((i, name))
+                assert block is None or isinstance(block, linear.MixedWeight) and None in block.parts
+    assert dense == ([] if not arch.qk_norm else [(1, "down_proj")])  # qwen3's Q5_K down
+    assert model.lm_head is None or model.lm_head.weight.is_meta  # llama's untied Q6_K head
+    projections = {id(getattr(owner, name).weight) for i in range(arch.num_layers)
+                   for owner, name in model._projections(i)}
+    rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in projections and not p.is_meta)
+    assert arch.vocab_size * arch.hidden_size * 4 <= rest < arch.vocab_size * arch.hidden_size * 4 + (64 << 10)
+
+
+@pytest.mark.parametrize("weight_format", ["auto", "int4"])
+def test_a_gguf_read_as_it_is_gives_its_dense_conversions_logits(gguf_model_dir, converted_model_dir,
+                                                                 weight_format):
+    """The file read tensor by tensor, its blocks alone, against today's conversion (transformers' dequantization
+    into safetensors, the blocks beside it): the same logits, to the bit. auto runs the blocks through the CPU ops,
+    untimed (timing another format would need the dense copy)."""
     ids = list(range(100, 140))
-    ours, expected = prefill_logits(model, ids), prefill_logits(dense_model, ids)
-    assert (ours - expected).abs().max().item() < (1e-4 if llama else 1e-3)  # qwen3: its Q5_K down as fp16
-    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    linked, description = load_model(EngineConfig(weight_format=weight_format), gguf_model_dir, torch.device("cpu"))
+    converted, _ = load_model(EngineConfig(weight_format="int4"), converted_model_dir, torch.device("cpu"))
+    assert description == "int4 (cpu_ops kernel, float32 activations)"
+    assert torch.equal(prefill_logits(linked, ids), prefill_logits(converted, ids))
+
+
+def test_a_dense_format_gets_the_files_numbers(gguf_model_dir, dense_model):
+    """For a format that multiplies dense weights (float32 here), the blocks read from the file are dequantized at
+    load: transformers' dequantization of the file, to the bit."""
+    model, blocks = registry.load_for_cpu(gguf_model_dir)
+    model.dequantize_projections(blocks)
+    assert torch.equal(model.head_weight(), dense_model.head_weight())
+    for i in range(model.arch.num_layers):
+        for ours, expected in zip(model.projection_weights(i), dense_model.projection_weights(i)):
+            assert torch.equal(ours, expected)
+    assert torch.equal(model.embed_tokens.weight, dense_model.embed_tokens.weight)
 
 
 def test_auto_may_pick_the_blocks_and_keeps_greedy_output(gguf_model_dir):
     assert "int4" in {c.weight_format for c in linear.candidates("auto", None, has_blocks=True)}
+    assert linear.candidates("auto", None, has_blocks=True, blocks_alone=True) == [
+        linear.Choice("int4", torch.float32, "cpu_ops")]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outputs = {}
     for weight_format in ("float32", "int4"):

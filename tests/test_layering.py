@@ -24,7 +24,7 @@ ALLOWED = {
     "tritonllm.engine.config": {"tritonllm.interface"},
     "tritonllm.engine.layers": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.interface"},
     "tritonllm.engine.models": {"tritonllm.kernels", "tritonllm.engine.layers", "tritonllm.model_files",
-                                "tritonllm.interface"},
+                                "tritonllm.gguf_blocks", "tritonllm.interface"},  # gguf_blocks: a GGUF read as it is
     "tritonllm.engine.core": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.engine.layers",
                               "tritonllm.engine.models", "tritonllm.model_files", "tritonllm.interface"},
     "tritonllm.engine.processing": {"tritonllm.engine.config", "tritonllm.engine.core", "tritonllm.engine.layers",

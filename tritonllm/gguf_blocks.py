@@ -128,7 +128,17 @@ def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int,
     """A GGUF tensor's raw bytes (rows of blocks) as the kernels' blocks, with its rows put in `order` (a function
     of an array's first axis: llama's q/k rows are stored interleaved), or None for a type they do not cover or
     blocks that do not dequantize exactly to `gguf.quants.dequantize`'s numbers."""
-    raw = np.ascontiguousarray(raw).view(np.uint8)
+    return checked_blocks(raw, qtype, rows, order)[0]
+
+
+def checked_blocks(raw: np.ndarray, qtype: Type, rows: int,
+                   order=lambda x: x) -> tuple[Int4Blocks | Q8Blocks | Q6Blocks | None, np.ndarray]:
+    """kernel_blocks's answer, and the tensor as `gguf.quants.dequantize` gives it ([rows, K] float32, in `order`):
+    the reference the blocks were checked against, and the weights where there are no blocks."""
+    raw = np.ascontiguousarray(raw)
+    with np.errstate(invalid="ignore", over="ignore"):
+        reference = order(quants.dequantize(raw, qtype).reshape(rows, -1).astype(np.float32, copy=False))
+    raw = raw.view(np.uint8)
     if qtype in INT4_TYPES:
         blocks = _int4_blocks(raw, qtype, rows)
     elif qtype == Type.Q8_0:
@@ -138,9 +148,8 @@ def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int,
     elif qtype == Type.Q6_K:
         blocks = _q6_blocks(raw, rows)
     else:
-        return None
+        return None, reference
     blocks = blocks.rows_reordered(order)
-    reference = order(quants.dequantize(raw, qtype).reshape(rows, -1))
     with np.errstate(invalid="ignore", over="ignore"):
         ours = blocks.dequantize()
-    return blocks if np.array_equal(ours, reference) else None
+    return (blocks if np.array_equal(ours, reference) else None), reference

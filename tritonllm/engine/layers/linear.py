@@ -80,6 +80,10 @@ class Q4Weight:
         """Fused projections (qkv, gate_up) concatenate their parts' output rows."""
         return Q4Weight(*(torch.cat([getattr(p, name) for p in parts]) for name in ("q", "d", "m")))
 
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] float32: d · q, then + m, each rounded (gguf_blocks's numbers, checked against the file's)."""
+        return self.d.repeat_interleave(INT4_GROUP, 1) * self.q.float() + self.m.repeat_interleave(INT4_GROUP, 1)
+
 
 @dataclass(frozen=True)
 class Q8Weight:
@@ -90,6 +94,10 @@ class Q8Weight:
     @staticmethod
     def concat(parts: list["Q8Weight"]) -> "Q8Weight":
         return Q8Weight(torch.cat([p.blocks for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        d = self.blocks[..., :2].contiguous().view(torch.float16).float()
+        return (self.blocks[..., 2:].contiguous().view(torch.int8).float() * d).flatten(1)
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,9 @@ class Q6Weight:
     def concat(parts: list["Q6Weight"]) -> "Q6Weight":
         return Q6Weight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
 
+    def dequantize(self) -> torch.Tensor:
+        return self.d.repeat_interleave(self.q.shape[1] // self.d.shape[1], 1) * self.q.float()
+
 
 BlockWeight = Q4Weight | Q8Weight | Q6Weight
 
@@ -113,6 +124,10 @@ class MixedWeight:
 
     parts: tuple[BlockWeight | None, ...]
     rows: tuple[int, ...]  # each part's output rows
+
+    def dequantize(self) -> torch.Tensor:
+        """Only for parts that all have blocks."""
+        return torch.cat([part.dequantize() for part in self.parts])
 
 
 class Projection(nn.Module):
@@ -294,6 +309,11 @@ class Choice:
     def int8_activations(self) -> bool:
         return self.weight_format == "int4-q8"
 
+    @property
+    def runs_blocks_alone(self) -> bool:
+        """Whether a weight with blocks needs no dense copy (the CPU ops run every kind of block)."""
+        return self.blocks and self.kernel == "cpu_ops"
+
     def make(self, weight: torch.Tensor, bias: torch.Tensor | None,
              blocks: BlockWeight | MixedWeight | None = None) -> Projection:
         """A projection of fp32 `weight` (or of its GGUF blocks, for int4 and int4-q8: without blocks a kernel
@@ -350,15 +370,20 @@ class Choice:
         return f"{self.weight_format} ({self.kernel} kernel, {activations} activations)"
 
 
-def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool) -> list[Choice]:
+def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool, blocks_alone: bool = False
+               ) -> list[Choice]:
     """What `requested` may run as on the CPU; `dtype` None lets the format choose the activations.
 
     auto considers only what keeps float32's greedy output (the table above): fp32 activations with fp32 or fp16
     weights, or with the GGUF's own blocks (has_blocks: the checkpoint has some the kernels run). bf16 activations
     (bfloat16; int4 on bf16 hardware without the CPU ops) change some greedy continuations: they run when asked for,
-    by weight_format or by dtype=bfloat16 (then auto times those)."""
+    by weight_format or by dtype=bfloat16 (then auto times those). A GGUF read as its blocks alone (blocks_alone:
+    no dense copy of them was made) runs on them through the CPU ops where they are built, untimed: the file's own
+    numbers, exactly, and no dense copy to time the others on."""
     if requested not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight_format {requested!r} (choose from {', '.join(WEIGHT_FORMATS)})")
+    if requested == "auto" and blocks_alone and (dtype or torch.float32) == torch.float32 and cpu_ops.available():
+        return [Choice("int4", torch.float32, "cpu_ops")]
     if requested == "auto":
         act = dtype or torch.float32
         formats = (["float32"] + (["float16"] if _fbgemm_available() else []) if act == torch.float32

@@ -21,7 +21,7 @@ from tritonllm.engine.layers.moe import SparseMoeMLP
 from tritonllm.engine.layers.norm import RMSNorm
 from tritonllm.engine.layers.rotary import RotaryEmbedding
 from tritonllm.engine.models.architecture import ModelArchitecture
-from tritonllm.engine.models.weights import GgufBlocks, checkpoint_state
+from tritonllm.engine.models.weights import GgufBlocks, checkpoint_state, gguf_checkpoint
 
 
 class LlamaAttention(nn.Module):
@@ -199,15 +199,41 @@ class LlamaForCausalLM(nn.Module):
         self.decodes_in_one_call = (choice.kernel == "cpu_ops" and every_in_blocks and not arch.qk_norm
                                     and not arch.attention_bias and not arch.mlp_bias and not arch.moe_layers)
 
+    def dequantize_projections(self, blocks: GgufBlocks) -> None:
+        """Give the projections (and the LM head) loaded as blocks alone (meta weights) their dense weights, for a
+        format that multiplies dense weights."""
+        for index in range(len(self.layers)):
+            for (owner, name), weight in zip(self._projections(index), blocks.layers[index]):
+                linear = getattr(owner, name)
+                if linear.weight.is_meta:
+                    linear.weight = nn.Parameter(weight.dequantize(), requires_grad=False)
+        if self.lm_head is not None and self.lm_head.weight.is_meta:
+            self.lm_head.weight = nn.Parameter(blocks.head.dequantize(), requires_grad=False)
+
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: dict, dtype: torch.dtype,
                         device: torch.device) -> "LlamaForCausalLM":
         """This model with the weights of an HF-format directory whose config.json is `config`."""
         arch = cls.architecture(config)
+        return cls._with_state(arch, checkpoint_state(Path(model_dir), arch), dtype, device)
+
+    @classmethod
+    def from_gguf(cls, gguf_path: Path, config: dict) -> tuple["LlamaForCausalLM", GgufBlocks | None]:
+        """This model (float32, on the CPU) with a GGUF file's tensors (config: the file's, as transformers reads
+        its metadata), and the file's blocks: a projection (or LM head) whose blocks the kernels run has them only
+        (its weight is on the meta device; dequantize_projections gives it one)."""
+        arch = cls.architecture(config)
+        state, blocks = gguf_checkpoint(gguf_path, arch, config["model_type"])
+        return cls._with_state(arch, state, None, torch.device("cpu")), blocks
+
+    @classmethod
+    def _with_state(cls, arch: ModelArchitecture, state: dict[str, torch.Tensor], dtype: torch.dtype | None,
+                    device: torch.device) -> "LlamaForCausalLM":
+        """The model with `state`'s tensors, moved to `dtype` on `device` (None: as they are, meta ones too)."""
         with torch.device("meta"):
             model = cls(arch)
-        model.load_state_dict(checkpoint_state(Path(model_dir), arch), strict=True, assign=True)
-        model = model.to(device=device, dtype=dtype).eval()
+        model.load_state_dict(state, strict=True, assign=True)
+        model = (model if dtype is None else model.to(device=device, dtype=dtype)).eval()
         model.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                        arch.rope_scaling, device)
         return model

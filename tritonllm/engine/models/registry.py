@@ -12,6 +12,8 @@ from tritonllm.engine.models.llama import LlamaForCausalLM
 from tritonllm.engine.models.mixtral import MixtralForCausalLM
 from tritonllm.engine.models.qwen3 import Qwen3ForCausalLM
 from tritonllm.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from tritonllm.engine.models.weights import GgufBlocks, read_gguf_blocks
+from tritonllm.model_files import linked_gguf
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -31,3 +33,14 @@ def from_pretrained(model_dir: Path, dtype: torch.dtype, device: torch.device) -
     """The model of an HF-format directory, built by the class its config.json's model_type names."""
     config = read_hf_config(model_dir)
     return model_class(config.get("model_type")).from_pretrained(model_dir, config, dtype, device)
+
+
+def load_for_cpu(model_dir: Path) -> tuple[LlamaForCausalLM, GgufBlocks | None]:
+    """The model of a prepared directory in float32 on the CPU, with the GGUF blocks the kernels run: read from the
+    linked GGUF file itself (those projections without dense weights), or from a converted one's directory."""
+    config = read_hf_config(model_dir)
+    cls = model_class(config.get("model_type"))
+    if (gguf_path := linked_gguf(model_dir)) is not None:
+        return cls.from_gguf(gguf_path, config)
+    model = cls.from_pretrained(model_dir, config, torch.float32, torch.device("cpu"))
+    return model, read_gguf_blocks(model_dir, model.arch)

@@ -1,6 +1,7 @@
 """Checkpoint tensors → the models' parameters: reading an HF directory's safetensors, renaming them to our
 modules' names and fusing them (q/k/v into qkv, gate/up into gate_up, experts stacked), and the converted GGUF's
-blocks for the int4 weight formats.
+blocks for the int4 weight formats; or reading a GGUF file itself (gguf_checkpoint): its blocks where the kernels
+run them, dequantized tensors for the rest, and no dense copy of what has blocks.
 
 Experts load from any of the checkpoint layouts: Mixtral's per-expert `block_sparse_moe.experts.E.w1/w2/w3`,
 Qwen3-MoE's per-expert `mlp.experts.E.gate_proj/up_proj/down_proj`, or the fused 3-D `mlp.experts.gate_up_proj`
@@ -10,15 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
-from dataclasses import dataclass
-
 from tritonllm.engine.layers.linear import BlockWeight, MixedWeight, Q4Weight, Q6Weight, Q8Weight
-from tritonllm.model_files import BLOCKS_FILE, UNCOVERED_METADATA
+from tritonllm.model_files import BLOCKS_FILE, GGUF_HEADS, GGUF_PROJECTIONS, UNCOVERED_METADATA, llama_rotary_order
 from tritonllm.engine.models.architecture import ModelArchitecture
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,7 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | N
         return None
     with safe_open(str(path), framework="pt") as handle:
         names = set(handle.keys())
-        for qtype, (tensors, weights) in json.loads(handle.metadata().get(UNCOVERED_METADATA, "{}")).items():
-            log.warning("GGUF type %s: %d tensors (%.1fM weights) have no kernel here: they run dequantized (float16 "
-                        "weights, 16 bits each, with the int4 formats; float32 or float16 otherwise)", qtype, tensors,
-                        weights / 1e6)
+        _log_uncovered(json.loads(handle.metadata().get(UNCOVERED_METADATA, "{}")))
 
         def weight(key: str) -> BlockWeight | None:
             if f"{key}.q8_0" in names:
@@ -59,36 +57,127 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | N
                 return Q6Weight(handle.get_tensor(f"{key}.q6_codes"), handle.get_tensor(f"{key}.q6_scales"))
             return Q4Weight(*(handle.get_tensor(f"{key}.{p}") for p in "qdm")) if f"{key}.q" in names else None
 
-        def part(name: str) -> BlockWeight | None:
-            return weight(f"model.layers.{name}.weight")
-
         mixed = []  # fused projections whose parts have blocks of different kinds, or some none
-
-        def fused(parts: list[BlockWeight | None], rows: list[int]) -> BlockWeight | MixedWeight | None:
-            """The parts' blocks as one, or as runs of one kind each (a run without blocks runs dense)."""
-            runs: list[tuple[list[BlockWeight | None], int]] = []
-            for part, part_rows in zip(parts, rows):
-                if runs and type(runs[-1][0][0]) is type(part):
-                    runs[-1] = (runs[-1][0] + [part], runs[-1][1] + part_rows)
-                else:
-                    runs.append(([part], part_rows))
-            joined = [None if run[0] is None else type(run[0]).concat(run) for run, _ in runs]
-            if len(runs) == 1:
-                return joined[0]
-            mixed.append(parts)
-            return MixedWeight(tuple(joined), tuple(part_rows for _, part_rows in runs))
-
-        q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        layers = {i: [fused([part(f"{i}.self_attn.{p}_proj") for p in "qkv"], [q_rows, kv_rows, kv_rows]),
-                      fused([part(f"{i}.self_attn.o_proj")], [arch.hidden_size]),
-                      fused([part(f"{i}.mlp.{p}_proj") for p in ("gate", "up")], [arch.intermediate_size] * 2),
-                      fused([part(f"{i}.mlp.down_proj")], [arch.hidden_size])]
+        layers = {i: [_fused_blocks([weight(f"model.layers.{i}.{name}.weight") for name in names], rows, mixed)
+                      for _, names, rows in _fused_projections(arch)]
                   for i in range(arch.num_layers)}
         head = weight("model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight")
+    return _gguf_blocks(layers, head, mixed)
+
+
+def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
+                    ) -> tuple[dict[str, torch.Tensor], GgufBlocks | None]:
+    """A llama or qwen3 GGUF file as (state dict of LlamaForCausalLM, its blocks), read tensor by tensor. Where
+    every part of a fused projection (and the LM head) has blocks the kernels run, each checked to dequantize to
+    exactly `gguf.quants.dequantize`'s numbers, its weight in the state is a meta tensor: no dense copy is made.
+    The rest (norms, the embedding, projections of a type without a kernel) are `gguf.quants.dequantize`'s float32
+    numbers, as transformers' conversion gives them."""
+    import gguf
+
+    from tritonllm.gguf_blocks import Int4Blocks, Q8Blocks, checked_blocks
+
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_path).tensors}
+    uncovered: dict[str, list[int]] = {}
+
+    def read(name: str, order=lambda x: x) -> tuple[BlockWeight | None, np.ndarray]:
+        """A tensor's blocks (None: not run from blocks) and its dequantized weights."""
+        tensor = tensors[name]
+        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1  # GGUF lists the fastest dimension first
+        found, dense = checked_blocks(tensor.data, tensor.tensor_type, rows, order)
+        dense = dense.reshape([int(n) for n in reversed(tensor.shape)])
+        if found is None:
+            if len(tensor.shape) > 1:
+                count = uncovered.setdefault(tensor.tensor_type.name, [0, 0])
+                count[0], count[1] = count[0] + 1, count[1] + dense.size
+            return None, dense
+        if isinstance(found, Int4Blocks):
+            return Q4Weight(*(_tensor(a) for a in (found.q, found.d, found.m))), dense
+        if isinstance(found, Q8Blocks):
+            return Q8Weight(_tensor(found.blocks)), dense
+        return Q6Weight(_tensor(found.q), _tensor(found.d)), dense
+
+    def vector(name: str) -> torch.Tensor:
+        return _tensor(read(name)[1])
+
+    state = {"norm.weight": vector("output_norm.weight")}
+    gguf_head = {ours: theirs for theirs, ours in GGUF_HEADS.items()}
+    head, dense = read(gguf_head["model.embed_tokens.weight"])
+    state["embed_tokens.weight"] = _tensor(dense)  # looked up: its numbers are needed whatever the head runs on
+    if not arch.tie_word_embeddings:
+        head, dense = read(gguf_head["lm_head.weight"])
+        state["lm_head.weight"] = _tensor(dense) if head is None else torch.empty(dense.shape, device="meta")
+    gguf_names = {ours: theirs for theirs, ours in GGUF_PROJECTIONS.items()}
+    mixed, layers = [], {}
+    for i in range(arch.num_layers):
+        p = f"layers.{i}"
+        state[f"{p}.input_layernorm.weight"] = vector(f"blk.{i}.attn_norm.weight")
+        state[f"{p}.post_attention_layernorm.weight"] = vector(f"blk.{i}.ffn_norm.weight")
+        if arch.qk_norm:
+            state[f"{p}.self_attn.q_norm.weight"] = vector(f"blk.{i}.attn_q_norm.weight")
+            state[f"{p}.self_attn.k_norm.weight"] = vector(f"blk.{i}.attn_k_norm.weight")
+        layers[i] = []
+        for fused_name, names, rows in _fused_projections(arch):
+            parts = []
+            for name in names:
+                theirs = gguf_names[name]
+                order = (llama_rotary_order(theirs, arch.num_heads, arch.num_kv_heads) if model_type == "llama"
+                         else lambda x: x)
+                parts.append(read(f"blk.{i}.{theirs}.weight", order))
+            blocks = [block for block, _ in parts]
+            state[f"{p}.{fused_name}.weight"] = (
+                torch.empty(sum(rows), parts[0][1].shape[1], device="meta")  # runs from its blocks alone
+                if all(block is not None for block in blocks) else _tensor(np.concatenate([d for _, d in parts])))
+            layers[i].append(_fused_blocks(blocks, rows, mixed))
+    _log_uncovered(uncovered)
+    return state, _gguf_blocks(layers, head, mixed)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a torch tensor of its own (GGUFReader's float32 tensors are read-only views of the file)."""
+    return torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable else np.array(array))
+
+
+def _fused_projections(arch: ModelArchitecture) -> list[tuple[str, list[str], list[int]]]:
+    """One layer's fused projections (as projection_weights orders them): our name, their parts' HF names and
+    rows."""
+    q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return [("self_attn.qkv_proj", [f"self_attn.{p}_proj" for p in "qkv"], [q_rows, kv_rows, kv_rows]),
+            ("self_attn.o_proj", ["self_attn.o_proj"], [arch.hidden_size]),
+            ("mlp.gate_up_proj", [f"mlp.{p}_proj" for p in ("gate", "up")], [arch.intermediate_size] * 2),
+            ("mlp.down_proj", ["mlp.down_proj"], [arch.hidden_size])]
+
+
+def _fused_blocks(parts: list[BlockWeight | None], rows: list[int],
+                  mixed: list) -> BlockWeight | MixedWeight | None:
+    """The parts' blocks as one, or as runs of one kind each (a run without blocks runs dense; such a projection
+    is added to `mixed`)."""
+    runs: list[tuple[list[BlockWeight | None], int]] = []
+    for part, part_rows in zip(parts, rows):
+        if runs and type(runs[-1][0][0]) is type(part):
+            runs[-1] = (runs[-1][0] + [part], runs[-1][1] + part_rows)
+        else:
+            runs.append(([part], part_rows))
+    joined = [None if run[0] is None else type(run[0]).concat(run) for run, _ in runs]
+    if len(runs) == 1:
+        return joined[0]
+    mixed.append(parts)
+    return MixedWeight(tuple(joined), tuple(part_rows for _, part_rows in runs))
+
+
+def _gguf_blocks(layers: dict[int, list[BlockWeight | MixedWeight | None]], head: BlockWeight | None,
+                 mixed: list) -> GgufBlocks | None:
     if mixed:
         log.info("%d fused projections (qkv, gate_up) mix kinds of blocks: they run part by part", len(mixed))
     has_blocks = head is not None or any(w is not None for ws in layers.values() for w in ws)
     return GgufBlocks(layers, head) if has_blocks else None
+
+
+def _log_uncovered(uncovered: dict[str, list[int]]) -> None:
+    """Once a load, each GGUF type that runs dense (no kernel of its own here yet), with its count and weights."""
+    for qtype, (tensors, weights) in uncovered.items():
+        log.warning("GGUF type %s: %d tensors (%.1fM weights) have no kernel here: they run dequantized (float16 "
+                    "weights, 16 bits each, with the int4 formats; float32 or float16 otherwise)", qtype, tensors,
+                    weights / 1e6)
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
