@@ -46,6 +46,9 @@ class _FakeServer:
         self.children: list[subprocess.Popen] = []
         self.processes = {self._spawn(): "llm_0_0", self._spawn(): "llm_0_1"}
         self.loads = 0
+        self.starts = 0
+        self.process = subprocess.Popen(["sleep", "60"])  # tritonserver
+        self.children.append(self.process)
 
     def _spawn(self) -> int:
         self.children.append(subprocess.Popen(["sleep", "60"]))
@@ -58,7 +61,19 @@ class _FakeServer:
                 if any(child.pid == pid and child.returncode is None for child in self.children)}
 
     def is_running(self):
-        return True
+        return self.process.poll() is None
+
+    def start(self):  # tritonserver again, with new engines
+        self.starts += 1
+        self.process = subprocess.Popen(["sleep", "60"])
+        self.children.append(self.process)
+        self.processes = {self._spawn(): "llm_0_0", self._spawn(): "llm_0_1"}
+
+    def wait_ready(self, timeout):
+        pass
+
+    def log_tail(self):
+        return "terminate called after throwing an instance of 'boost::interprocess::lock_exception'"
 
     def model_control(self, action):
         assert action == "load"
@@ -102,6 +117,29 @@ def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
         server.kill("llm_0_0")
         _wait(gave_up.is_set)
         assert [instance for instance, _ in deaths] == ["llm_0_1", "llm_0_0"] and server.loads == 1  # no reload
+    finally:
+        supervisor.stop()
+        server.close()
+
+
+def test_a_dead_tritonserver_is_started_again_within_the_same_budget():
+    """tritonserver itself can abort when an engine process dies in the middle of a response: serve starts it
+    again (its engines are new), and a death past the budget, engine or server, ends serve."""
+    server = _FakeServer()
+    deaths, recoveries, gave_up = [], [], threading.Event()
+    supervisor = EngineSupervisor(server, RestartBudget(RestartSettings(engine_max_restarts=1)),
+                                  on_death=lambda instance, how: deaths.append((instance, how)),
+                                  on_recovered=lambda: recoveries.append(True), on_give_up=lambda why: gave_up.set())
+    supervisor.start()
+    try:
+        time.sleep(0.3)
+        server.process.kill()
+        _wait(lambda: recoveries)
+        assert deaths == [("tritonserver", "tritonserver exited with code -9")] and server.starts == 1
+        assert not gave_up.is_set()
+        server.kill("llm_0_1")  # one of the new engines: the budget is spent
+        _wait(gave_up.is_set)
+        assert server.loads == 0 and server.starts == 1
     finally:
         supervisor.stop()
         server.close()

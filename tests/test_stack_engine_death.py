@@ -154,3 +154,26 @@ def test_killed_past_the_restart_budget_serve_exits_non_zero(dying):
     assert time.monotonic() - killed < STOP_AFTER_GIVING_UP_S, dying.logs()
     assert "engine processes died more than 1 times" in (dying.state_dir / "serve.log").read_text()
     assert "Exit timeout expired" not in (dying.state_dir / "tritonserver.log").read_text(), dying.logs()
+
+
+def test_a_killed_tritonserver_is_started_again(default_model_dir, tmp_path):
+    """tritonserver itself can die with its engine (its Python backend aborts on a dead stub's shared-memory lock):
+    serve starts it again on the same ports, and the service comes back."""
+    process = StackProcess(default_model_dir, tmp_path, OPTIONS, None)
+    started = time.monotonic()
+    process.start()
+    recovery_s = max(RECOVERY_S, 2 * (time.monotonic() - started))
+    try:
+        root_url = process.stack.base_url.removesuffix("/v1")
+        [tritonserver] = [pid for pid in descendant_pids(process.process.pid)
+                          if Path(command_line(pid)[0]).name == "tritonserver"]
+        os.kill(tritonserver, signal.SIGKILL)
+        killed = time.monotonic()
+        _wait_for(lambda: httpx.get(f"{root_url}/health", timeout=10).status_code == 503, 30, "health red")
+        _wait_for(lambda: httpx.get(f"{root_url}/health", timeout=10).status_code == 200,
+                  recovery_s - (time.monotonic() - killed), f"serving again; {process.logs()}")
+        _paris(process.stack.base_url, process.stack.model_name)
+        assert process.process.poll() is None
+        assert "tritonserver started again" in (process.state_dir / "serve.log").read_text()
+    finally:
+        process.stop()

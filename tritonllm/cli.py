@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -171,7 +170,6 @@ def serve(args: argparse.Namespace) -> int:
     # is tritonserver stopped, with nothing left in flight.
     signal.signal(signal.SIGINT, _raise_stop)
     signal.signal(signal.SIGTERM, _raise_stop)
-    server_died = threading.Event()
     gave_up: list[str] = []  # why serve stopped restarting its engines
     server = supervisor = None
     try:
@@ -187,11 +185,6 @@ def serve(args: argparse.Namespace) -> int:
         server.wait_ready(READY_TIMEOUT_S)
         log.info("model ready in %.1f s", time.monotonic() - started)
 
-        def on_server_death(returncode: int) -> None:
-            server_died.set()
-            os.kill(os.getpid(), signal.SIGTERM)  # stops the adapter the way a user would
-
-        server.on_unexpected_exit(on_server_death)
         from tritonllm.adapter.engine_health import EngineHealth  # the adapter's imports are slow: not before here
 
         engine_health = EngineHealth()
@@ -202,11 +195,11 @@ def serve(args: argparse.Namespace) -> int:
 
         supervisor = EngineSupervisor(server, RestartBudget(settings.from_options(RestartSettings, args)),
                                       on_death=engine_health.mark_dead, on_recovered=engine_health.mark_all_alive,
-                                      on_give_up=give_up)
+                                      on_give_up=give_up, ready_timeout_s=READY_TIMEOUT_S)
         supervisor.start()
         _run_adapter(args, adapter_settings, engine_health)
     except _Stop as stop:
-        if not server_died.is_set() and not gave_up:
+        if not gave_up:
             log.info("stopping (%s)", stop)
     except launcher.TritonStartError as error:
         log.error("%s", error)
@@ -220,10 +213,6 @@ def serve(args: argparse.Namespace) -> int:
         log.error("stopped: %s (--engine-max-restarts %d in --engine-restart-window %g s); exiting for the "
                   "supervisor to restart the server", gave_up[0], args.engine_max_restarts,
                   args.engine_restart_window_s)
-        return 1
-    if server_died.is_set():
-        log.error("tritonserver exited with code %s; its last log lines:\n%s",
-                  server.process.returncode, server.log_tail())
         return 1
     return 0
 

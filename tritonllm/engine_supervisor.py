@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tritonllm.interface.settings import setting
-from tritonllm.launcher import MODEL_NAME, TritonServer
+from tritonllm.launcher import MODEL_NAME, TritonServer, TritonStartError
 
 log = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.2
+_SERVER = "tritonserver"  # what /health names when tritonserver itself died
 _SURVIVORS_SILENT_S = 4.0  # the adapter fails calls silent for 2 s while an engine is dead (TritonClient._SILENT_S)
 
 
@@ -76,9 +77,10 @@ class EngineSupervisor:
     """A thread that notices an engine process ending (within _POLL_INTERVAL_S) and reloads the model."""
 
     def __init__(self, server: TritonServer, budget: RestartBudget, *, on_death: Callable[[str, str], None],
-                 on_recovered: Callable[[], None], on_give_up: Callable[[str], None]):
+                 on_recovered: Callable[[], None], on_give_up: Callable[[str], None], ready_timeout_s: float = 600):
         self.server = server
         self.budget = budget
+        self.ready_timeout_s = ready_timeout_s  # for tritonserver started again
         self.on_death = on_death  # (instance, what happened)
         self.on_recovered = on_recovered
         self.on_give_up = on_give_up  # (why): serve stops, exit code 1
@@ -94,10 +96,15 @@ class EngineSupervisor:
     def _run(self) -> None:
         known = self.server.engine_processes()  # pid → instance
         while not self._stop.wait(_POLL_INTERVAL_S):
+            if not self.server.is_running():
+                if not self._restart_server():
+                    return
+                known = self.server.engine_processes()
+                continue
             running = self.server.engine_processes()
             ended = {pid: instance for pid, instance in known.items() if pid not in running}
-            if not ended or self._stop.is_set() or not self.server.is_running():
-                continue  # (tritonserver's own death is serve's on_unexpected_exit)
+            if not ended or self._stop.is_set():
+                continue
             for pid, instance in ended.items():
                 how = exit_status(pid)
                 log.error("engine instance %s (pid %d) died: %s; its requests fail with 503", instance, pid, how)
@@ -110,6 +117,33 @@ class EngineSupervisor:
                 return
             known = {pid: instance for pid, instance in self.server.engine_processes().items() if pid not in known}
             self.on_recovered()
+
+    def _restart_server(self) -> bool:
+        """tritonserver itself ended (its Python backend can abort when an engine process dies in the middle of a
+        response: boost::interprocess::lock_exception on the dead process's mutex). Start it again, within the same
+        budget; False (after giving up) when that is spent or the start fails."""
+        if self._stop.is_set():
+            return False
+        code = self.server.process.returncode
+        log.error("tritonserver exited with code %s; its requests fail with 503. Its last log lines:\n%s", code,
+                  self.server.log_tail())
+        self.on_death(_SERVER, f"tritonserver exited with code {code}")
+        if not self.budget.take():
+            self.on_give_up(f"tritonserver and engine processes died more than {self.budget.max_restarts} times in "
+                            f"{self.budget.window_s:.0f} s")
+            return False
+        started = time.monotonic()
+        log.warning("starting tritonserver again")
+        try:
+            self.server.start()
+            self.server.wait_ready(self.ready_timeout_s)
+        except TritonStartError as error:
+            if not self._stop.is_set():
+                self.on_give_up(f"starting tritonserver again failed: {error}")
+            return False
+        log.warning("tritonserver started again in %.1f s", time.monotonic() - started)
+        self.on_recovered()
+        return True
 
     def _reload(self, known: dict[int, str], ended: dict[int, str]) -> bool:
         """Reload the model; False (after giving up) when that fails."""

@@ -299,6 +299,8 @@ class TritonServer:
                     raise TritonStartError(f"port {self.host}:{port} is not available: {error}") from None
 
     def start(self) -> None:
+        if self._stopping.is_set():  # stop() was called: a supervisor's restart must not start a new one
+            raise TritonStartError("tritonserver is being stopped")
         self._check_ports_free()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         command = self._command(build_backend_dir(self.tritonserver, self.state_dir))
@@ -330,17 +332,6 @@ class TritonServer:
                 return
             time.sleep(0.5)
         raise TritonStartError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def on_unexpected_exit(self, callback: Callable[[int], None]) -> None:
-        """Call `callback(returncode)` from a watcher thread if the process ends without stop() being called."""
-        process = self.process
-
-        def watch() -> None:
-            code = process.wait()
-            if not self._stopping.is_set():
-                callback(code)
-
-        threading.Thread(target=watch, name="tritonserver-watch", daemon=True).start()
 
     def stop(self, grace_s: float | None = None) -> None:
         """SIGTERM, then SIGKILL to the whole process group (stubs included) after the grace period, or
