@@ -110,13 +110,15 @@ def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
         survivor = next(pid for pid, name in server.engine_processes().items() if name == "llm_0_0")
         server.kill("llm_0_1")
         _wait(lambda: recoveries)
-        assert [instance for instance, _ in deaths] == ["llm_0_1"] and server.loads == 1 and not gave_up.is_set()
+        # the dead one, then the old generation's survivor, stopped: the adapter fails its silent calls too
+        assert [instance for instance, _ in deaths] == ["llm_0_1", "llm_0_0"] and server.loads == 1
+        assert deaths[1][1] == "replaced by the reloaded model" and not gave_up.is_set()
         # the old generation's survivor was stopped (Triton no longer uses it); the new generation runs
         assert survivor not in server.engine_processes()
         assert sorted(server.engine_processes().values()) == ["llm_0_0", "llm_0_1"]
         server.kill("llm_0_0")
         _wait(gave_up.is_set)
-        assert [instance for instance, _ in deaths] == ["llm_0_1", "llm_0_0"] and server.loads == 1  # no reload
+        assert [instance for instance, _ in deaths] == ["llm_0_1", "llm_0_0", "llm_0_0"] and server.loads == 1
     finally:
         supervisor.stop()
         server.close()

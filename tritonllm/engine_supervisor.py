@@ -161,6 +161,7 @@ class EngineSupervisor:
         survivors = {pid: instance for pid, instance in known.items() if pid not in ended}
         for pid, instance in survivors.items():
             log.warning("stopping the replaced engine instance %s (pid %d)", instance, pid)
+            self.on_death(instance, "replaced by the reloaded model")  # the adapter fails its silent calls
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
