@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from tritonllm.adapter.engine_health import EngineHealth
 from tritonllm.engine_supervisor import EngineSupervisor, RestartBudget, RestartSettings, exit_status
@@ -98,7 +100,9 @@ def _wait(condition, timeout=20.0):
         time.sleep(0.02)
 
 
-def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
+@contextmanager
+def _supervised() -> Iterator[tuple[_FakeServer, list, list, threading.Event]]:
+    """A supervisor with a budget of one restart over a fake server: (server, deaths, recoveries, gave_up)."""
     server = _FakeServer()
     deaths, recoveries, gave_up = [], [], threading.Event()
     supervisor = EngineSupervisor(server, RestartBudget(RestartSettings(engine_max_restarts=1)),
@@ -107,6 +111,14 @@ def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
     supervisor.start()
     try:
         time.sleep(0.3)
+        yield server, deaths, recoveries, gave_up
+    finally:
+        supervisor.stop()
+        server.close()
+
+
+def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
+    with _supervised() as (server, deaths, recoveries, gave_up):
         survivor = next(pid for pid, name in server.engine_processes().items() if name == "llm_0_0")
         server.kill("llm_0_1")
         _wait(lambda: recoveries)
@@ -119,22 +131,12 @@ def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
         server.kill("llm_0_0")
         _wait(gave_up.is_set)
         assert [instance for instance, _ in deaths] == ["llm_0_1", "llm_0_0", "llm_0_0"] and server.loads == 1
-    finally:
-        supervisor.stop()
-        server.close()
 
 
 def test_a_dead_tritonserver_is_started_again_within_the_same_budget():
     """tritonserver itself can abort when an engine process dies in the middle of a response: serve starts it
     again (its engines are new), and a death past the budget, engine or server, ends serve."""
-    server = _FakeServer()
-    deaths, recoveries, gave_up = [], [], threading.Event()
-    supervisor = EngineSupervisor(server, RestartBudget(RestartSettings(engine_max_restarts=1)),
-                                  on_death=lambda instance, how: deaths.append((instance, how)),
-                                  on_recovered=lambda: recoveries.append(True), on_give_up=lambda why: gave_up.set())
-    supervisor.start()
-    try:
-        time.sleep(0.3)
+    with _supervised() as (server, deaths, recoveries, gave_up):
         server.process.kill()
         _wait(lambda: recoveries)
         assert deaths == [("tritonserver", "tritonserver exited with code -9")] and server.starts == 1
@@ -142,9 +144,6 @@ def test_a_dead_tritonserver_is_started_again_within_the_same_budget():
         server.kill("llm_0_1")  # one of the new engines: the budget is spent
         _wait(gave_up.is_set)
         assert server.loads == 0 and server.starts == 1
-    finally:
-        supervisor.stop()
-        server.close()
 
 
 def test_a_request_sent_before_the_reload_does_not_mark_the_new_instances_dead():
