@@ -1,9 +1,11 @@
 """Long prompts in-process (no Triton): TTFT and prefill tok/s of one prompt at each length, with the share of that
 time in prefill attention, and the ITL of running decode streams while a long prompt arrives. With --before, a git
 revision's CPU ops and this checkout's are swapped between runs, alternating (the host's drift between separate
-processes can exceed the change), as bench/cpu_ops_ab.py does.
+processes can exceed the change), as bench/cpu_ops_ab.py does; with --prefill-dtypes float32,bfloat16 an engine of
+each prefill dtype runs, alternating.
 
     .venv/bin/python bench/prefill.py [--lengths 512,2048,8000] [--rounds 2] [--before main]
+    .venv/bin/python bench/prefill.py --prefill-dtypes float32,bfloat16
     .venv/bin/python bench/prefill.py --lengths 0 --streams 8 --arrival 8000   # ITL while an 8k prompt prefills
     OMP_NUM_THREADS=1 .venv/bin/python bench/prefill.py --op --before main --torch   # the attention op alone
 
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from tritonllm import kernels  # noqa: E402
+from tritonllm.engine.layers import attention  # noqa: E402
 from tritonllm.engine.config import EngineConfig  # noqa: E402
 from tritonllm.engine.llm_engine import LLMEngine, Request  # noqa: E402
 from tritonllm.interface.parameters import SamplingParams  # noqa: E402
@@ -46,20 +49,22 @@ def random_prompt(tokens: int) -> list[int]:
 
 
 class AttentionClock:
-    """Wall time inside the engine's prefill attention op (the layers call it through the kernels module)."""
+    """Wall time inside the engine's prefill attention ops (float32: through the kernels module; bfloat16 prompts:
+    the layers' own import)."""
 
     def __init__(self):
         self.seconds = 0.0
-        self._op = kernels.prefill_attention
+        kernels.prefill_attention = self._timed(kernels.prefill_attention)
+        attention.prefill_attention_bf16 = self._timed(attention.prefill_attention_bf16)
 
+    def _timed(self, op):
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
-                return self._op(*args, **kwargs)
+                return op(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - started
-
-        kernels.prefill_attention = timed
+        return timed
 
 
 def ttft(engine: LLMEngine, tokens: int, clock: AttentionClock) -> tuple[float, float]:
@@ -133,39 +138,46 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed before the arrival")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--weight-format", default="auto")
+    parser.add_argument("--prefill-dtypes", default="float32", help="an engine of each, alternating (e.g. "
+                                                                     "float32,bfloat16)")
     parser.add_argument("--op", action="store_true", help="time the prefill attention op alone (no engine)")
     parser.add_argument("--torch", action="store_true", help="with --op: torch's reference op too")
     args = parser.parse_args()
     if args.op:
         return op_main(args)
-    engine = LLMEngine(EngineConfig(model_path=str(prepare_default_model()), weight_format=args.weight_format,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    engines = {dtype: LLMEngine(EngineConfig(model_path=str(prepare_default_model()),
+                                             weight_format=args.weight_format, prefill_dtype=dtype,
+                                             max_num_batched_tokens=args.max_num_batched_tokens))
+               for dtype in args.prefill_dtypes.split(",")}
     clock = AttentionClock()
     print(f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, weights "
-          f"{engine.core.runner.weight_format}, ops -march={cpu.MARCH}, max_num_batched_tokens "
-          f"{args.max_num_batched_tokens}", flush=True)
+          f"{next(iter(engines.values())).core.runner.weight_format}, ops -march={cpu.MARCH}, "
+          f"max_num_batched_tokens {args.max_num_batched_tokens}", flush=True)
     with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
         builds = {"this checkout": cpu._library}
         if args.before:
             builds = {f"before ({args.before})": built_ops(args.before, Path(before_dir)),
                       "after (this checkout)": built_ops(None, Path(after_dir))}
-        ttft(engine, 64, clock)  # warm-up
+        runs_of = {(f"{name}, {dtype} prompts" if len(engines) > 1 else name): (library, engine)
+                   for name, library in builds.items() for dtype, engine in engines.items()}
+        for engine in engines.values():
+            ttft(engine, 64, clock)  # warm-up
         for tokens in (int(n) for n in args.lengths.split(",") if int(n)):
-            results: dict[str, list[tuple[float, float]]] = {name: [] for name in builds}
+            results: dict[str, list[tuple[float, float]]] = {name: [] for name in runs_of}
             for _ in range(args.rounds):
-                for name, library in builds.items():
+                for name, (library, engine) in runs_of.items():
                     cpu._library = library
-                    seconds, attention = ttft(engine, tokens, clock)
-                    results[name].append((seconds, attention))
+                    seconds, in_attention = ttft(engine, tokens, clock)
+                    results[name].append((seconds, in_attention))
                     print(f"  {tokens} tokens, {name}: TTFT {seconds:.2f} s ({tokens / seconds:.0f} tok/s), "
-                          f"prefill attention {attention:.2f} s ({attention / seconds:.0%})", flush=True)
+                          f"prefill attention {in_attention:.2f} s ({in_attention / seconds:.0%})", flush=True)
             for name, runs in results.items():
                 seconds = statistics.median(s for s, _ in runs)
-                attention = statistics.median(a for _, a in runs)
+                in_attention = statistics.median(a for _, a in runs)
                 print(f"{tokens} tokens, {name}: median TTFT {seconds:.2f} s, {tokens / seconds:.0f} tok/s, "
-                      f"attention {attention:.2f} s", flush=True)
+                      f"attention {in_attention:.2f} s", flush=True)
         if args.streams:
-            for name, library in builds.items():
+            for name, (library, engine) in runs_of.items():
                 cpu._library = library
                 alone, during = itl_during_arrival(engine, args.streams, args.arrival, args.steps)
                 print(f"{args.streams} streams, {name}: ITL alone p50 {statistics.median(alone) * 1e3:.1f} ms, "

@@ -36,7 +36,7 @@ FILLERS = [list(range(start, start + 9 * BLOCK)) for start in (3000, 4000)]  # e
 def one_float32_kernel(monkeypatch):
     """float32 projections through aten's kernel only: timing would pick aten's or oneDNN's per engine, and the
     two round differently (a different weight format: the prefix keys differ too)."""
-    monkeypatch.setattr(linear, "_onednn_available", lambda: False)
+    monkeypatch.setattr(linear, "onednn_available", lambda: False)
 
 
 @pytest.fixture(scope="module")

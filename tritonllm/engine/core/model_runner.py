@@ -18,7 +18,7 @@ from tritonllm.engine.core.lora_slots import LoraSlotPool
 from tritonllm.engine.core.scheduler import ScheduledSequence
 from tritonllm.engine.core.sequence import Sequence
 from tritonllm.engine.layers.attention import AttentionMetadata
-from tritonllm.engine.layers.linear import Choice, candidates, choose_format, fastest_run
+from tritonllm.engine.layers.linear import Choice, candidates, choose_format, cpu_has_bf16, fastest_run, onednn_available
 from tritonllm.model_files import cpu_ops_dir
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.models import registry
@@ -80,6 +80,9 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     if device.type != "cpu":
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
+        if config.prefill_dtype != "float32":
+            raise ValueError(f"prefill_dtype {config.prefill_dtype} is for the CPU engine (on CUDA prompts compute "
+                             "in the activations' dtype)")
         return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
     cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
     model, blocks = registry.load_for_cpu(model_dir)
@@ -88,8 +91,8 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     if blocks_alone and not all(option.runs_blocks_alone for option in options):
         model.dequantize_projections(blocks)
 
-    def in_format(model: LlamaForCausalLM, choice: Choice) -> LlamaForCausalLM:
-        model.use_weight_format(choice, blocks)
+    def in_format(model: LlamaForCausalLM, choice: Choice, prefill=torch.float32) -> LlamaForCausalLM:
+        model.use_weight_format(choice, blocks, prefill)
         return model.to(choice.dtype)
 
     layers = _probe_layers(model)
@@ -97,7 +100,21 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         log.info("weight formats timed on the model's first %d layers (a whole copy would not fit in the "
                  "memory available)", layers)
     choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
-    return in_format(model, choice), choice.describe()
+    prefill = prefill_dtype(config.prefill_dtype, choice.dtype)
+    return in_format(model, choice, prefill), choice.describe() + ("" if prefill == torch.float32 else ", bfloat16 prompts")
+
+
+def prefill_dtype(requested: str, activations: torch.dtype) -> torch.dtype:
+    """What the CPU engine's prompt rows compute in (engine/layers/prompt_rows.py)."""
+    if requested == "float32":
+        return torch.float32
+    if activations != torch.float32:
+        raise ValueError(f"prefill_dtype={requested} is for float32 activations; these run in "
+                         f"{str(activations).removeprefix('torch.')} already")
+    if not (cpu_has_bf16() and onednn_available()):
+        raise ValueError(f"prefill_dtype={requested} needs a CPU with bf16 hardware (AMX or AVX512-BF16) and oneDNN; "
+                         "without them bf16 is emulated, slower than float32")
+    return torch.bfloat16
 
 
 def _probe_layers(model: LlamaForCausalLM) -> int:
@@ -163,6 +180,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model, self.weight_format = load_model(config, model_dir, self.device)
         self.dtype = self.model.embed_tokens.weight.dtype
+        self.prefill_dtype = self.model.prefill_dtype
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         arch = self.model.arch
         block_shape = (self.block_size, arch.num_kv_heads, arch.head_dim)

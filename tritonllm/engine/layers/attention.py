@@ -3,7 +3,8 @@
 The flat batch puts single-token queries (decodes) first, then multi-token prefill chunks. New keys/values
 are written to the cache through `slot_mapping`; each sequence then attends to its whole context, read back
 through its block table, so cached prefixes and earlier chunks are seen exactly like fresh tokens. The ops
-come from `kernels` (Triton on CUDA, the C ops on float32 CPU tensors, torch references elsewhere)."""
+come from `kernels` (Triton on CUDA, the C ops on float32 CPU tensors, torch references elsewhere); prompt rows
+computed in bf16 (prompt_rows.py) attend through torch's flash kernel on the CPU's bf16 matrix units."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from tritonllm import kernels
+from tritonllm.engine.layers.prompt_rows import matmul_dtype
 from tritonllm.kernels.decode_attention import DecodeWorkspace
+from tritonllm.kernels.prefill_attention_bf16 import prefill_attention_bf16
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[:num_decode] = kernels.paged_decode_attention(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
                                                           meta.decode_context_lens, scale, meta.decode_workspace)
     batch = meta.prefill
-    out[num_decode:] = kernels.prefill_attention(q[num_decode:], k_cache, v_cache, batch.query_starts,
+    prefill_attention = prefill_attention_bf16 if matmul_dtype() == torch.bfloat16 else kernels.prefill_attention
+    out[num_decode:] = prefill_attention(q[num_decode:], k_cache, v_cache, batch.query_starts,
                                                  batch.query_lens, batch.context_lens, batch.block_tables, scale)
     return out

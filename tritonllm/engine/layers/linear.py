@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.engine.config import WEIGHT_FORMATS
+from tritonllm.engine.layers.prompt_rows import matmul_dtype
 from tritonllm.kernels import cpu as cpu_ops
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,12 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _onednn_available() -> bool:
+def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+# the overload, resolved once (not per call)
+_onednn_linear = torch.ops.mkldnn._linear_pointwise.default if onednn_available() else None
 
 
 def _fbgemm_available() -> bool:
@@ -131,15 +136,25 @@ class MixedWeight:
 
 
 class Projection(nn.Module):
-    """y = x @ W.T (+ bias) for one weight format and kernel; replaces an nn.Linear after loading."""
+    """y = x @ W.T (+ bias) for one weight format and kernel; replaces an nn.Linear after loading. With
+    prefill_dtype=bfloat16 it also holds bf16 weights prepacked for oneDNN (AMX tiles where the CPU has them), which
+    prompt rows run on (engine/layers/prompt_rows.py): oneDNN computes each row alike whatever the batch's size."""
 
     def __init__(self, bias: torch.Tensor | None):
         super().__init__()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.prompt_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in]
-        out = self.matmul(x)
+        if self.prompt_weight is not None and matmul_dtype() == torch.bfloat16:
+            out = _onednn_linear(x.to(torch.bfloat16), self.prompt_weight, None, "none", [], "").to(x.dtype)
+        else:
+            out = self.matmul(x)
         return out if self.bias is None else out + self.bias
+
+    def run_prompts_in_bf16(self, weight: torch.Tensor) -> None:
+        """Prompt rows on these [out, in] weights rounded to bf16."""
+        self.prompt_weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), 1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -167,10 +182,9 @@ class OneDNNProjection(Projection):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(bias)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        self.linear = torch.ops.mkldnn._linear_pointwise.default  # the overload, resolved once (not per call)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.packed, None, "none", [], "")
+        return _onednn_linear(x, self.packed, None, "none", [], "")
 
 
 class Float16Projection(Projection):
@@ -357,7 +371,7 @@ class Choice:
         with bf16 activations."""
         if self.dtype == torch.float32 and _fbgemm_available():
             return Choice("float16", self.dtype, "fbgemm").make(weight, bias)
-        if _onednn_available():
+        if onednn_available():
             try:
                 return Choice("bfloat16", self.dtype, "onednn").make(weight, bias)
             except RuntimeError:  # oneDNN's bf16 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
@@ -413,7 +427,7 @@ def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool, bloc
         elif weight_format == "float16":
             kernels = ["fbgemm"]
         else:
-            kernels = ["aten"] + (["onednn"] if _onednn_available() else [])
+            kernels = ["aten"] + (["onednn"] if onednn_available() else [])
         choices += [Choice(weight_format, act, kernel) for kernel in kernels]
     return choices
 

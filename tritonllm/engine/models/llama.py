@@ -6,6 +6,7 @@ time: fewer, larger matmuls."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.engine.layers.attention import AttentionMetadata, paged_attention
 from tritonllm.engine.layers.linear import Choice
 from tritonllm.engine.layers.lora import LayerLora
+from tritonllm.engine.layers.prompt_rows import computing_prompt_rows
 from tritonllm.engine.layers.moe import SparseMoeMLP
 from tritonllm.engine.layers.norm import RMSNorm
 from tritonllm.engine.layers.rotary import RotaryEmbedding
@@ -65,6 +67,11 @@ class LlamaMLP(nn.Module):
         return _project(self.down_proj, "down_proj", activated, lora), None
 
 
+def _rows_of(lora: list[LayerLora] | None, rows: slice) -> list[LayerLora] | None:
+    """Each layer's adapters for some of the batch's rows."""
+    return None if lora is None else [replace(layer, token_slots=layer.token_slots[rows]) for layer in lora]
+
+
 def _project(linear: nn.Linear, name: str, x: torch.Tensor, lora: LayerLora | None) -> torch.Tensor:
     """linear(x), plus each token's LoRA update when the batch uses adapters."""
     out = linear(x)
@@ -108,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
         # decode steps in one call of the CPU ops (set by use_weight_format): every projection in blocks, a plain dense
         # decoder
         self.decodes_in_one_call = False
+        self.prefill_dtype = torch.float32  # what prompt rows compute in (use_weight_format)
         self._decode_layers: tuple[int, object] | None = None  # (the KV caches' address, the ops' layer array)
 
     @classmethod
@@ -123,6 +131,12 @@ class LlamaForCausalLM(nn.Module):
         lora: per layer, the adapters of the batch's tokens (None: no token uses one).
         routing: with record_routing on a model with MoE layers, the expert ids each token was routed to,
         [tokens, MoE layers, top_k] most likely first; else None."""
+        if self.prefill_dtype != torch.float32 and meta.prefill is not None:
+            return self._decodes_then_prompts(input_ids, positions, meta, kv_caches, lora, record_routing)
+        return self._layers(input_ids, positions, meta, kv_caches, lora, record_routing)
+
+    def _layers(self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora, record_routing
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.for_positions(positions)
         if self.decodes_in_one_call and meta.prefill is None and lora is None and hidden.dtype == torch.float32:
@@ -135,6 +149,24 @@ class LlamaForCausalLM(nn.Module):
             if record_routing and expert_ids is not None:
                 routed.append(expert_ids)
         return residual + hidden, torch.stack(routed, dim=1) if routed else None
+
+    def _decodes_then_prompts(self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora, record_routing
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step with prompt rows under prefill_dtype: its decode rows, then its prompt rows in that dtype, as two
+        forwards (a row attends to its own sequence only), so that neither depends on the other."""
+        decodes = meta.num_decode_tokens
+        prompt_meta = replace(meta, slot_mapping=meta.slot_mapping[decodes:], num_decode_tokens=0,
+                              decode_block_tables=None, decode_context_lens=None)
+        with computing_prompt_rows(self.prefill_dtype):
+            prompt_hidden, prompt_routing = self._layers(input_ids[decodes:], positions[decodes:], prompt_meta,
+                                                         kv_caches, _rows_of(lora, slice(decodes, None)), record_routing)
+        if not decodes:
+            return prompt_hidden, prompt_routing
+        decode_meta = replace(meta, slot_mapping=meta.slot_mapping[:decodes], prefill=None)
+        hidden, routing = self._layers(input_ids[:decodes], positions[:decodes], decode_meta, kv_caches,
+                                       _rows_of(lora, slice(None, decodes)), record_routing)
+        return (torch.cat([hidden, prompt_hidden]),
+                None if routing is None else torch.cat([routing, prompt_routing]))
 
     def _decode_in_one_call(self, hidden, rope, meta: AttentionMetadata, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer through the CPU ops' llama_decode: the layers' own ops in their order, without ~10 Python
@@ -183,14 +215,20 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.inference_mode()
-    def use_weight_format(self, choice: Choice, blocks: GgufBlocks | None) -> None:
+    def use_weight_format(self, choice: Choice, blocks: GgufBlocks | None,
+                          prefill_dtype: torch.dtype = torch.float32) -> None:
         """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
-        blocks: the GGUF's blocks of projection_weights(layer) and of the head, for int4 and int4-q8."""
+        blocks: the GGUF's blocks of projection_weights(layer) and of the head, for int4 and int4-q8;
+        prefill_dtype bfloat16: the projections keep bf16 weights for prompt rows too (2 bytes a weight)."""
         for index in range(len(self.layers)):
             owners = self._projections(index)
             for (owner, name), weight in zip(owners, blocks.layers[index] if blocks else [None] * len(owners)):
                 linear = getattr(owner, name)
-                setattr(owner, name, choice.make(linear.weight, linear.bias, weight))
+                projection = choice.make(linear.weight, linear.bias, weight)
+                if prefill_dtype == torch.bfloat16:
+                    projection.run_prompts_in_bf16(weight.dequantize() if linear.weight.is_meta else linear.weight)
+                setattr(owner, name, projection)
+        self.prefill_dtype = prefill_dtype
         self.lm_head = choice.make_head(self.head_weight(), blocks.head if blocks and choice.blocks else None)
         arch = self.arch
         self.int8_activations = choice.int8_activations  # what llama_decode's projections run with

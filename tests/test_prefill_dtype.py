@@ -1,0 +1,138 @@
+"""prefill_dtype=bfloat16: prompt rows on the CPU's bf16 matrix units. The attention op against the float32
+reference, a position's result independent of how its prompt is cut into chunks (to the bit), the engine's output
+close to float32 prompts' and independent of what a prompt is batched with; where it may not be asked for."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.core import model_runner
+from tritonllm.engine.core.model_runner import load_model
+from tritonllm.engine.layers.linear import cpu_has_bf16
+from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.interface.parameters import SamplingParams
+from tritonllm.kernels.prefill_attention import prefill_attention_reference
+from tritonllm.kernels.prefill_attention_bf16 import prefill_attention_bf16
+from engine_helpers import assert_idle, generate, prefill_logits
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
+needs_bf16_hardware = pytest.mark.skipif(not cpu_has_bf16(), reason="prefill_dtype=bfloat16 needs AMX or "
+                                                                    "AVX512-BF16 (refused without: emulated)")
+
+
+def context(tokens: int, seed: int = 0):
+    """A paged KV cache holding `tokens` positions in shuffled blocks, their queries and block table."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = -(-tokens // BLOCK_SIZE) + 3
+    k_cache, v_cache = (torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
+    table = torch.randperm(blocks, generator=generator)[:-3].view(1, -1).int()
+    return torch.randn(tokens, HEADS, HEAD_DIM, generator=generator), k_cache, v_cache, table
+
+
+def in_chunks(op, chunks: list[int], q, k_cache, v_cache, table) -> torch.Tensor:
+    """Each chunk's rows attending to the context up to its end, as successive prefill steps would."""
+    out, start = [], 0
+    for length in chunks:
+        end = min(len(q), start + length)
+        out.append(op(q[start:end], k_cache, v_cache, torch.tensor([0]), torch.tensor([end - start]),
+                      torch.tensor([end]), table, HEAD_DIM ** -0.5))
+        start = end
+    return torch.cat(out)
+
+
+def test_bf16_attention_is_close_to_the_float32_reference():
+    inputs = context(1300)
+    ours = in_chunks(prefill_attention_bf16, [700, 600], *inputs)
+    expected = in_chunks(prefill_attention_reference, [1300], *inputs)
+    # bf16 queries, keys and probabilities (8-bit mantissas), fp32 sums: outputs here are within about ±3
+    assert (ours - expected).abs().max().item() < 0.03
+
+
+def test_bf16_attention_of_a_position_does_not_depend_on_the_chunks():
+    """Chunks of 1 to 700 rows, starting anywhere in a segment: every position the same bits as the whole prompt
+    in one chunk (the flash kernel's sums follow its key splits and its rows' place in a tile of queries: without
+    the fixed segments and tile-aligned rows, a chunk of 201 rows gave one position other bits here)."""
+    inputs = context(1300)
+    in_chunks(prefill_attention_bf16, [1300], *inputs)  # the kernel's first call in a process may differ
+    whole = in_chunks(prefill_attention_bf16, [1300], *inputs)
+    cuts = random.Random(0)
+    for _ in range(6):
+        chunks = [cuts.choice([1, 2, 3, 17, 64, 191, 300, 513, 700]) for _ in range(60)]
+        assert torch.equal(in_chunks(prefill_attention_bf16, chunks, *inputs), whole), chunks
+
+
+@pytest.fixture(scope="module")
+def float32_model(default_model_dir):
+    return load_model(EngineConfig(weight_format="int4"), default_model_dir, torch.device("cpu"))[0]
+
+
+@needs_bf16_hardware
+def test_bf16_prompt_logits_stay_close_to_float32(float32_model, default_model_dir):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model, description = load_model(EngineConfig(weight_format="int4", prefill_dtype="bfloat16"), default_model_dir,
+                                    torch.device("cpu"))
+    assert description.endswith("bfloat16 prompts")
+    agreeing = []
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        ours, expected = prefill_logits(model, ids), prefill_logits(float32_model, ids)
+        difference = (ours - expected).abs().max().item()
+        print(f"{prompt!r}: max |Δlogit| {difference:.2f}")
+        assert difference < 1.0  # 0.3 to 0.55 here (logits span about ±27; whole-model bf16 activations: 2.0)
+        agreeing += (ours.argmax(-1) == expected.argmax(-1)).tolist()
+    assert sum(agreeing) / len(agreeing) >= 0.9
+
+
+@pytest.fixture(scope="module")
+def bf16_engines(default_model_dir):
+    """Two engines with bf16 prompts, cutting prompts into different chunks."""
+    def engine(budget: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4",
+                                      prefill_dtype="bfloat16", max_num_batched_tokens=budget,
+                                      kv_cache_memory=64 << 20))
+    return engine(512), engine(300)
+
+
+@needs_bf16_hardware
+def test_a_bf16_prompts_output_does_not_depend_on_its_chunks_or_its_batch(bf16_engines):
+    """A 1,300-token prompt alone, beside 4 decoding streams (its chunks shortened by their rows and moved), and in
+    another engine's chunks of 300: the same seeded tokens; the streams' too, with and without the prompt."""
+    long_prompt = torch.randint(1000, 40000, (1300,), generator=torch.Generator().manual_seed(1)).tolist()
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    chunks_of_512, chunks_of_300 = bf16_engines
+    [alone] = generate(chunks_of_512, [long_prompt], seeded)
+    streams = [SamplingParams(max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True) for seed in range(4)]
+    streams_alone = generate(chunks_of_512, PROMPTS, streams)
+    together = generate(chunks_of_512, [*PROMPTS, long_prompt], [*streams, seeded])
+    [other_chunks] = generate(chunks_of_300, [long_prompt], seeded)
+    assert together[-1].token_ids() == alone.token_ids() == other_chunks.token_ids()
+    assert [r.token_ids() for r in together[:-1]] == [r.token_ids() for r in streams_alone]
+    assert_idle(chunks_of_512)
+
+
+@needs_bf16_hardware
+def test_bf16_prompts_keep_most_greedy_continuations(bf16_engines, default_model_dir):
+    float32 = LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4",
+                                     kv_cache_memory=32 << 20))
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    expected = [r.token_ids() for r in generate(float32, PROMPTS, greedy)]
+    ours = [r.token_ids() for r in generate(bf16_engines[0], PROMPTS, greedy)]
+    same = sum(a == b for a, b in zip(ours, expected))
+    print(f"bf16 prompts: {same}/{len(PROMPTS)} greedy continuations identical")
+    assert same >= len(PROMPTS) - 1  # as bf16 activations (test_weight_formats): asked for, never picked by auto
+
+
+def test_bf16_prompts_are_refused_with_bf16_activations_and_without_bf16_hardware(default_model_dir, monkeypatch):
+    with pytest.raises(ValueError, match="for float32 activations"):
+        load_model(EngineConfig(weight_format="bfloat16", dtype="bfloat16", prefill_dtype="bfloat16"),
+                   default_model_dir, torch.device("cpu"))
+    monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: False)
+    with pytest.raises(ValueError, match="needs a CPU with bf16 hardware"):
+        load_model(EngineConfig(weight_format="int4", prefill_dtype="bfloat16"), default_model_dir,
+                   torch.device("cpu"))

@@ -1,0 +1,79 @@
+"""Causal prefill attention on the CPU's bf16 matrix units: torch's flash-attention kernel (AMX or AVX512-BF16
+through oneDNN) over K/V gathered from the paged cache, for prompts computed in bfloat16 (engine/layers/prompt_rows.py).
+
+Same inputs and meaning as prefill_attention_reference. A chunk can start anywhere, and the flash kernel's online
+softmax sums in an order set by where its keys start and how many there are; so that a position's result does not
+depend on how its prompt was cut into chunks (or on what else ran in the step), every position attends in two fixed
+calls: to the whole segments of SEGMENT keys before its own (keys from 0, a multiple of SEGMENT of them) and to its own
+segment under a causal mask (SEGMENT keys, zeros past the context), merged by their log-sum-exps. The kernel's
+products depend on where a row falls in its tile of query rows (ROW_TILE of them from MIN_ROWS rows on), so each call's
+rows start at a multiple of ROW_TILE in the segment (zero rows before the chunk's first query and after its last)."""
+
+from __future__ import annotations
+
+import torch
+
+SEGMENT = 512  # keys: the flash kernel's KV split for 512 keys or more, so every call's splits fall alike
+ROW_TILE = 64  # the kernel's query split from MIN_ROWS to 767 rows (a segment holds at most SEGMENT of them)
+MIN_ROWS = 192
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_causal_masks: dict[int, torch.Tensor] = {}
+
+
+def _causal_mask() -> torch.Tensor:
+    """[SEGMENT, SEGMENT] bf16, 0 where row i may see key j (j <= i), -inf elsewhere."""
+    if SEGMENT not in _causal_masks:
+        allowed = torch.ones(SEGMENT, SEGMENT, dtype=torch.bool).tril()
+        _causal_masks[SEGMENT] = torch.zeros(SEGMENT, SEGMENT, dtype=torch.bfloat16).masked_fill_(~allowed, float("-inf"))
+    return _causal_masks[SEGMENT]
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, context_len: int, padded: int) -> torch.Tensor:
+    """The context's keys (values) as [1, kv_heads, padded, head_dim] bf16, zeros past context_len."""
+    block_size, kv_heads, head_dim = cache.shape[1:]
+    blocks = -(-context_len // block_size)
+    out = torch.zeros(padded, kv_heads, head_dim, dtype=torch.bfloat16)
+    out[:context_len] = cache.index_select(0, table[:blocks]).flatten(0, 1)[:context_len]
+    return out.permute(1, 0, 2).unsqueeze(0)
+
+
+def _rows(rows: torch.Tensor, before: int, total: int) -> torch.Tensor:
+    """rows [..., n, dim] with `before` zero rows ahead of them and zero rows after, `total` in all."""
+    out = rows.new_zeros(*rows.shape[:-2], total, rows.shape[-1])
+    out[..., before:before + rows.shape[-2], :] = rows
+    return out
+
+
+def prefill_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
+                           block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.empty_like(q)
+    mask = _causal_mask()
+    for chunk, (start, query_len, context_len) in enumerate(
+            zip(query_starts.tolist(), query_lens.tolist(), context_lens.tolist())):
+        offset = context_len - query_len  # the context position of the chunk's first query
+        padded = -(-context_len // SEGMENT) * SEGMENT
+        keys = _gather(k_cache, block_tables[chunk], context_len, padded)
+        values = _gather(v_cache, block_tables[chunk], context_len, padded)
+        queries = q[start:start + query_len].to(torch.bfloat16).transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+        first = offset
+        while first < context_len:  # the chunk's queries, one segment at a time
+            segment = first // SEGMENT * SEGMENT
+            last = min(context_len, segment + SEGMENT)
+            tile_start = (first - segment) // ROW_TILE * ROW_TILE  # in the segment
+            before = first - segment - tile_start
+            total = max(MIN_ROWS, -(-(last - segment - tile_start) // ROW_TILE) * ROW_TILE)
+            query = _rows(queries[:, :, first - offset:last - offset], before, total)
+            own_mask = _rows(mask[first - segment:last - segment], before, total)
+            own, own_lse = _flash(query, keys[:, :, segment:segment + SEGMENT], values[:, :, segment:segment + SEGMENT],
+                                  0.0, False, attn_mask=own_mask, scale=scale)
+            result = own.float()
+            if segment:
+                earlier, earlier_lse = _flash(query, keys[:, :, :segment], values[:, :, :segment], 0.0, False,
+                                              scale=scale)
+                lse = torch.logaddexp(earlier_lse, own_lse)
+                result = (earlier.float() * (earlier_lse - lse).exp().unsqueeze(-1)
+                          + result * (own_lse - lse).exp().unsqueeze(-1))
+            out[start + first - offset:start + last - offset] = result[0, :, before:before + last - first].transpose(0, 1)
+            first = last
+    return out
