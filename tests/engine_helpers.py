@@ -16,7 +16,7 @@ from tritonllm.engine.processing.outputs import RequestOutput
 _ids = itertools.count()
 
 # Engines compared token for token with transformers run in float32 whatever the machine would pick.
-EXACT = {"dtype": "float32", "weight_format": "float32"}
+EXACT = {"dtype": "float32", "weight_format": "float32", "prefill_dtype": "float32"}
 
 
 def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:

@@ -34,7 +34,7 @@ STACK_MAX_NUM_SEQS = 8  # small limits so the overload test reaches them with fe
 STACK_MAX_QUEUE_LEN = 8
 STACK_LORA_ADAPTERS = ("alpha", "beta")  # served with --max-loras 1: using both evicts one
 # Stacks whose outputs are compared with transformers run in float32 whatever the machine would pick.
-EXACT_OPTIONS = ("--dtype", "float32", "--weight-format", "float32")
+EXACT_OPTIONS = ("--dtype", "float32", "--weight-format", "float32", "--prefill-dtype", "float32")
 
 
 @dataclass(frozen=True)

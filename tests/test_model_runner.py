@@ -136,7 +136,8 @@ def test_a_float16_kv_cache_holds_twice_the_blocks_and_moves_logprobs_by_its_rou
     """kv_cache_dtype float16 (the CPU ops read it, prefill and decode): the same memory holds twice the blocks, the
     prompt logprobs move by the keys' and values' rounding (~1e-3, not 0: the cache really is float16), and the
     greedy tokens stay those of the float32 cache."""
-    config = dict(model_path=str(default_model_dir), weight_format="int4", dtype="float32", kv_cache_memory=32 << 20)
+    config = dict(model_path=str(default_model_dir), weight_format="int4", dtype="float32", prefill_dtype="float32",
+                  kv_cache_memory=32 << 20)
     engines = {dtype: LLMEngine(EngineConfig(**config, kv_cache_dtype=dtype)) for dtype in ("auto", "float16")}
     runners = {dtype: engine.core.runner for dtype, engine in engines.items()}
     assert runners["auto"].kv_caches[0][0].dtype == torch.float32

@@ -1,6 +1,7 @@
 """prefill_dtype=bfloat16: prompt rows on the CPU's bf16 matrix units. The attention op against the float32
 reference, a position's result independent of how its prompt is cut into chunks (to the bit), the engine's output
-close to float32 prompts' and independent of what a prompt is batched with; where it may not be asked for."""
+close to float32 prompts' and independent of what a prompt is batched with; where it may not be asked for and where
+auto takes it."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_bf16_attention_of_a_position_does_not_depend_on_the_chunks():
 
 @pytest.fixture(scope="module")
 def float32_model(default_model_dir):
-    return load_model(EngineConfig(weight_format="int4"), default_model_dir, torch.device("cpu"))[0]
+    return load_model(EngineConfig(weight_format="int4", prefill_dtype="float32"), default_model_dir,
+                      torch.device("cpu"))[0]
 
 
 @needs_bf16_hardware
@@ -119,13 +121,13 @@ def test_a_bf16_prompts_output_does_not_depend_on_its_chunks_or_its_batch(bf16_e
 @needs_bf16_hardware
 def test_bf16_prompts_keep_most_greedy_continuations(bf16_engines, default_model_dir):
     float32 = LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4",
-                                     kv_cache_memory=32 << 20))
+                                     prefill_dtype="float32", kv_cache_memory=32 << 20))
     greedy = SamplingParams(max_tokens=8, temperature=0)
     expected = [r.token_ids() for r in generate(float32, PROMPTS, greedy)]
     ours = [r.token_ids() for r in generate(bf16_engines[0], PROMPTS, greedy)]
     same = sum(a == b for a, b in zip(ours, expected))
     print(f"bf16 prompts: {same}/{len(PROMPTS)} greedy continuations identical")
-    assert same >= len(PROMPTS) - 1  # as bf16 activations (test_weight_formats): asked for, never picked by auto
+    assert same == len(PROMPTS)  # auto picks bf16 prompts on AMX CPUs: they must keep every one
 
 
 def test_bf16_prompts_are_refused_with_bf16_activations_and_without_bf16_hardware(default_model_dir, monkeypatch):
@@ -136,3 +138,14 @@ def test_bf16_prompts_are_refused_with_bf16_activations_and_without_bf16_hardwar
     with pytest.raises(ValueError, match="needs a CPU with bf16 hardware"):
         load_model(EngineConfig(weight_format="int4", prefill_dtype="bfloat16"), default_model_dir,
                    torch.device("cpu"))
+
+
+@pytest.mark.parametrize("amx, blocks_alone, activations, expected", [
+    (True, False, torch.float32, torch.bfloat16),
+    (False, False, torch.float32, torch.float32),  # AVX512-BF16 alone: not measured to win, so not taken
+    (True, True, torch.float32, torch.float32),  # a GGUF read as its blocks: no dense copy of the weights
+    (True, False, torch.bfloat16, torch.float32),  # the activations are bf16 already
+])
+def test_auto_takes_bf16_prompts_on_amx_cpus_only(amx, blocks_alone, activations, expected, monkeypatch):
+    monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: amx)
+    assert model_runner.prefill_dtype("auto", activations, blocks_alone) == expected

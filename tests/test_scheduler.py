@@ -14,9 +14,10 @@ BLOCK = 4
 
 
 def scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 16,
-              enable_prefix_caching: bool = True, lora_slots=None, policy: str = "fcfs") -> Scheduler:
+              enable_prefix_caching: bool = True, lora_slots=None, policy: str = "fcfs",
+              attention_equivalent: int | None = None) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, BLOCK, enable_prefix_caching), max_num_seqs, max_num_batched_tokens,
-                     lora_slots, policy)
+                     lora_slots, policy, attention_equivalent)
 
 
 def test_decodes_take_one_token_each_and_a_long_prompt_is_prefilled_in_chunks_of_what_is_left():
@@ -37,6 +38,36 @@ def test_decodes_take_one_token_each_and_a_long_prompt_is_prefilled_in_chunks_of
         chunks.append(num_new)
     assert chunks == [14, 14, 12]  # the budget minus the two decodes; it samples after the last chunk only
     assert planned(step(sched)) == [(a, 1), (b, 1), (long, 1)]
+
+
+def test_while_others_decode_a_prompt_chunk_is_charged_for_its_context_too():
+    """attention_equivalent 16: a chunk's tokens weigh 1 + context / 16 each. Alone, the long prompt takes the whole
+    budget whatever its context; beside a decode, its chunks shrink as its context grows (and never below one
+    token), so the steps the decode waits on stay about as long as a short prompt's."""
+    alone = scheduler(num_blocks=128, max_num_batched_tokens=32, attention_equivalent=16)
+    long = make_sequence(distinct_prompt(100, start=300))
+    alone.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        [(_, num_new)] = planned(step(alone))
+        chunks.append(num_new)
+    assert chunks == [32, 32, 32, 4]
+
+    beside = scheduler(num_blocks=128, max_num_batched_tokens=32, attention_equivalent=16)
+    decode = make_sequence(distinct_prompt(2, start=100))
+    beside.add(decode)
+    step(beside)
+    long = make_sequence(distinct_prompt(100, start=300))
+    beside.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        scheduled = planned(step(beside))
+        assert scheduled[0] == (decode, 1)
+        [(_, num_new)] = scheduled[1:]
+        chunks.append(num_new)
+    # context 0: 31 tokens; 31: 31 / (1 + 31/16) = 10; 41: 8; 49: 7; ... each step's charge within the budget
+    assert chunks[:4] == [31, 10, 8, 7] and sum(chunks) == 100 and min(chunks) >= 1
+    assert all(later <= earlier for earlier, later in zip(chunks, chunks[1:-1]))
 
 
 def test_a_waiting_prompt_never_takes_the_running_decodes_budget():

@@ -15,7 +15,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # tritonllm/engine/core/scheduler.py
 # tritonllm/engine/layers/linear.py says what each is
 WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "int4-q8")
 KV_CACHE_DTYPES = ("auto", "float16")
-PREFILL_DTYPES = ("float32", "bfloat16")  # tritonllm/engine/layers/prompt_rows.py  # tritonllm/engine/core/model_runner.py: kv_cache_dtype
+PREFILL_DTYPES = ("auto", "float32", "bfloat16")  # tritonllm/engine/layers/prompt_rows.py  # tritonllm/engine/core/model_runner.py: kv_cache_dtype
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -61,11 +61,13 @@ class EngineConfig:
                                          "(int4 with llama.cpp's int8 activations); auto times the exact or "
                                          "near-exact ones at load and takes the fastest",
                                  choices=WEIGHT_FORMATS)
-    prefill_dtype: str = setting("float32", "the CPU engine's prompt tokens: float32 (exact: the bits decoding them "
-                                            "would give) or bfloat16 (their projections and attention on the CPU's "
-                                            "bf16 matrix units, AMX or AVX512-BF16: several times faster long "
-                                            "prompts, inputs rounded to bf16, and bf16 weights kept beside the "
-                                            "format's, 2 bytes a weight)", choices=PREFILL_DTYPES)
+    prefill_dtype: str = setting("auto", "the CPU engine's prompt tokens: float32 (exact: the bits decoding them "
+                                         "would give), bfloat16 (their projections and attention on the CPU's bf16 "
+                                         "matrix units, AMX or AVX512-BF16: prompts several times faster, their "
+                                         "inputs rounded to bf16, bf16 weights kept beside the format's, 2 bytes a "
+                                         "weight), or auto: bfloat16 on CPUs with AMX and float32 activations "
+                                         "unless the model runs on a GGUF's blocks alone, else float32",
+                                 choices=PREFILL_DTYPES)
     device: str = setting("auto", "cpu, cuda or auto (cuda when available)")
     kv_cache_memory: int = setting(1 << 30, "bytes for the paged KV cache of each engine instance (e.g. 512MiB, 8GiB)",
                                    parse=parse_size)

@@ -98,7 +98,7 @@ class EngineCore:
             HostTier(host_bytes, blocks) if host_bytes else None,
             StorageTier(storage, config.kv_storage_size, model, blocks) if storage else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.runner.lora_slots, config.scheduling_policy)
+                                   self.runner.lora_slots, config.scheduling_policy, arch.attention_equivalent)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)
         # private to the thread that runs the core: other threads send messages (apply) and read stats()
         self._requests: dict[str, CoreRequest] = {}

@@ -3,6 +3,9 @@
 Every step has a token budget. Running sequences go first (a decode needs one token, an unfinished prefill
 takes the next chunk), then waiting sequences are admitted FCFS while budget, sequence slots and KV blocks
 last. A long prompt is therefore split into chunks and never stalls running decodes for more than one chunk.
+While sequences decode, a prompt chunk is also charged for its attention to the context before it (in tokens of
+projection work, `attention_equivalent`: the context that costs one token's projections), so a chunk deep into a
+long prompt is smaller and a step with decodes in it takes about as long as one with a short prompt's chunk.
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept, and the prefix cache usually makes the recompute cheap).
 A sequence whose prefix match reaches the storage tier leaves the queue while the blocks are read (holding no
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,8 +50,10 @@ class ScheduledSequence:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 lora_slots: LoraSlotPool | None = None, policy: str = "fcfs"):
+                 lora_slots: LoraSlotPool | None = None, policy: str = "fcfs",
+                 attention_equivalent: int | None = None):
         self.block_manager = block_manager
+        self.attention_equivalent = attention_equivalent  # None: chunks charged by their tokens alone
         self.by_priority = policy == "priority"
         self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
@@ -93,11 +99,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted = False
+        decoding = self.attention_equivalent is not None and any(
+            seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
 
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new, cost = self._chunk(seq, budget, decoding)
             if num_new == 0:  # a beam whose continuations wait for its siblings' (beam_search.py)
                 index += 1
                 continue
@@ -109,7 +117,7 @@ class Scheduler:
                     break
             else:
                 scheduled.append(ScheduledSequence(seq, num_new))
-                budget -= num_new
+                budget -= cost
                 index += 1
 
         # Admitting new work right after a preemption would just thrash.
@@ -132,7 +140,7 @@ class Scheduler:
                     self.loading[seq] = match
                     continue
                 self._matched(seq, match)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new, cost = self._chunk(seq, budget, decoding)
             if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 self.block_manager.free(seq)  # don't pin cached blocks (or an adapter slot) while waiting
                 self._release_lora_slot(seq)
@@ -145,8 +153,18 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq, front=False)
             scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            budget -= cost
         return scheduled
+
+    def _chunk(self, seq: Sequence, budget: int, decoding: bool) -> tuple[int, int]:
+        """(tokens of `seq` to compute this step, the budget they take): while others decode, a prompt chunk's
+        tokens weigh 1 + context / attention_equivalent each."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not decoding or num_new <= 1:
+            return num_new, num_new
+        weight = 1 + seq.num_computed_tokens / self.attention_equivalent
+        num_new = max(1, min(num_new, int(budget / weight)))
+        return num_new, min(budget, math.ceil(num_new * weight))
 
     def add_running(self, seq: Sequence) -> None:
         """A forked beam joins the running batch beside its parent (it computes its partial block with the next

@@ -50,13 +50,22 @@ BLOCK_FORMATS = ("int4", "int4-q8")  # the formats that serve a GGUF's own block
 FBGEMM_ROW_GROUP = 4  # float16: every row through the same fbgemm kernel (with 1-2 rows AVX2 sums differently)
 
 
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_has_bf16() -> bool:
     """Whether the CPU computes in bf16 natively (otherwise bf16 matmuls are emulated, several times slower)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX's bf16 tiles (Intel since Sapphire Rapids)."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def onednn_available() -> bool:

@@ -36,6 +36,17 @@ class ModelArchitecture:
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
 
+    @property
+    def attention_equivalent(self) -> int:
+        """Context tokens whose attention costs a token as many multiply-adds as its projections (qkv, o and the
+        MLP's, averaged over the layers: an MoE layer's active experts): the scheduler's exchange rate."""
+        attention = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim * self.hidden_size \
+            + self.num_heads * self.head_dim * self.hidden_size
+        moe = len(self.moe_layers)
+        mlp = 3 * self.hidden_size * ((self.num_layers - moe) * self.intermediate_size
+                                      + moe * self.num_experts_per_tok * self.moe_intermediate_size) / self.num_layers
+        return round((attention + mlp) / (2 * self.num_heads * self.head_dim))  # QK and PV: 2 per context token
+
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArchitecture":
         """The fields every supported architecture shares (a dense Llama's), with transformers' defaults."""
