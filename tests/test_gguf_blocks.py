@@ -1,5 +1,5 @@
-"""GGUF files run on their own blocks: Q4_0, Q4_1 and Q4_K repacked exactly onto the int4 kernels, Q8_0 (and
-Q5_0 as Q8_0) on the Q8_0 kernel, Q6_K on a kernel of its own, for llama and qwen3 files; what the kernels compute
+"""GGUF files run on their own blocks: Q4_0, Q4_1 and Q4_K repacked exactly onto the int4 kernels, Q8_0 and Q5_0
+as stored on kernels of their own (Q5_0 as Q8_0 for int8 activations), Q6_K on a kernel of its own, for llama and qwen3 files; what the kernels compute
 is `gguf.quants.dequantize`'s weights to the bit; a type without a kernel runs dequantized, said once in the log;
 the engine's logits are the dense model's. A file is read as it is, without a dense copy on disk or in memory,
 to the same logits as its dense conversion with the blocks beside it."""
@@ -21,7 +21,7 @@ from tritonllm.engine.layers import linear
 from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.engine.models import registry
 from tritonllm.engine.models import weights as weights_module
-from tritonllm.gguf_blocks import COVERED_TYPES, Int4Blocks, Q8Blocks, kernel_blocks
+from tritonllm.gguf_blocks import COVERED_TYPES, Int4Blocks, Q5Blocks, Q8Blocks, kernel_blocks
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.model_files import GGUF_LINK, convert_gguf, cpu_ops_dir
@@ -49,6 +49,8 @@ def test_the_kernels_compute_with_ggufs_own_dequantized_weights(qtype):
         weight, kind = linear.Q4Weight(*(torch.from_numpy(t) for t in (blocks.q, blocks.d, blocks.m))), "Q4"
     elif isinstance(blocks, Q8Blocks):
         weight, kind = linear.Q8Weight(torch.from_numpy(blocks.blocks)), "Q8"
+    elif isinstance(blocks, Q5Blocks):
+        weight, kind = linear.Q5Weight(torch.from_numpy(blocks.blocks)), "Q5"
     else:
         weight, kind = linear.Q6Weight(torch.from_numpy(blocks.q), torch.from_numpy(blocks.d)), "Q6"
     projection = linear.Choice("int4", torch.float32, "cpu_ops").make(reference, None, weight)
@@ -58,6 +60,11 @@ def test_the_kernels_compute_with_ggufs_own_dequantized_weights(qtype):
     torch.testing.assert_close(projection(x), x @ reference.T, atol=1e-4, rtol=1e-4)
     for row in range(len(x)):  # each token alone gives the same row, to the bit
         assert torch.equal(projection(x[row:row + 1])[0], projection(x)[row])
+    if isinstance(blocks, Q5Blocks):  # the Q8_0 kernel over the same numbers (what ran before): the same bits
+        as_q8 = linear.Choice("int4", torch.float32, "cpu_ops").make(reference, None, weight.as_q8())
+        assert type(as_q8).__name__ == "Q8Projection" and torch.equal(as_q8(x), projection(x))
+        assert type(linear.Choice("int4-q8", torch.float32, "cpu_ops").make(reference, None, weight)
+                    ).__name__ == "Q8Projection"
 
 
 def test_q4_k_sub_blocks_are_scale_and_min():

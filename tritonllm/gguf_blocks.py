@@ -9,8 +9,9 @@ codes q and fp32 d, m. Three GGUF types are exactly that shape:
   d' = fl32(d · sc) and m' = −fl32(dmin · mn) (as gguf computes them) give d' · q + m', the same single rounding
   of an exact product (d' has at most 17 significant bits, q 4).
 
-Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are; Q5_0's
-d · (q − 16) is a Q8_0 block with codes q − 16 (8.5 bits a weight in place of 5.5, the same numbers).
+Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are, and so do
+Q5_0's (fp16 d, the 32 codes' fifth bits, their low nibbles: w = d · (q − 16)), the Q5_0 kernel's; for the integer
+kernels (int8 activations) a Q5_0 block becomes the Q8_0 block with codes q − 16, the same numbers.
 
 Q6_K (a super-block of 256 as 16 sub-blocks of 16: w = (d · sc) · (q − 32), 6-bit q, int8 sc) runs on a kernel of
 its own over int8 codes q − 32 with d' = fl32(d · sc) per 16 (10 bits a weight in place of 6.56): the kernel's
@@ -30,9 +31,10 @@ from gguf import quants
 
 BLOCK = 32  # the kernels' block of inputs
 INT4_TYPES = (Type.Q4_0, Type.Q4_1, Type.Q4_K)
-Q8_TYPES = (Type.Q8_0, Type.Q5_0)
+Q8_TYPES = (Type.Q8_0,)
+Q5_TYPES = (Type.Q5_0,)
 Q6_TYPES = (Type.Q6_K,)
-COVERED_TYPES = INT4_TYPES + Q8_TYPES + Q6_TYPES
+COVERED_TYPES = INT4_TYPES + Q8_TYPES + Q5_TYPES + Q6_TYPES
 Q6_GROUP = 16  # Q6_K's sub-block: one scale per 16 weights
 
 
@@ -63,6 +65,27 @@ class Q8Blocks:
 
     def rows_reordered(self, order) -> "Q8Blocks":
         return Q8Blocks(order(self.blocks))
+
+
+@dataclass(frozen=True)
+class Q5Blocks:
+    """A GGUF's Q5_0 blocks [rows, K / 32, 22] uint8 as stored (fp16 d, 32 fifth bits, 16 bytes: element j's low
+    nibble, j + 16's high one: w = d · (q − 16))."""
+
+    blocks: np.ndarray
+
+    def as_q8(self) -> Q8Blocks:
+        """The same numbers as Q8_0 blocks (codes q − 16)."""
+        block = self.blocks
+        high = (block[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        codes = (_nibbles(block[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        return Q8Blocks(np.concatenate([block[..., :2], codes.view(np.uint8)], axis=-1))
+
+    def dequantize(self) -> np.ndarray:
+        return self.as_q8().dequantize()
+
+    def rows_reordered(self, order) -> "Q5Blocks":
+        return Q5Blocks(order(self.blocks))
 
 
 @dataclass(frozen=True)
@@ -106,13 +129,6 @@ def _int4_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int4Blocks:
     return Int4Blocks(_nibbles(block[..., size - 16:]).reshape(rows, -1), d, m)
 
 
-def _q5_0_as_q8_0(raw: np.ndarray, rows: int) -> Q8Blocks:
-    block = raw.reshape(rows, -1, 22)  # fp16 d, 32 high bits (element j: bit j), 16 bytes: element j low, j + 16 high
-    high = (block[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
-    codes = (_nibbles(block[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
-    return Q8Blocks(np.concatenate([block[..., :2], codes.view(np.uint8)], axis=-1))
-
-
 def _q6_blocks(raw: np.ndarray, rows: int) -> Q6Blocks:
     block = raw.reshape(rows, -1, 210)  # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
     count = block.shape[1]
@@ -124,7 +140,7 @@ def _q6_blocks(raw: np.ndarray, rows: int) -> Q6Blocks:
 
 
 def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int,
-                  order=lambda x: x) -> Int4Blocks | Q8Blocks | Q6Blocks | None:
+                  order=lambda x: x) -> Int4Blocks | Q8Blocks | Q5Blocks | Q6Blocks | None:
     """A GGUF tensor's raw bytes (rows of blocks) as the kernels' blocks, with its rows put in `order` (a function
     of an array's first axis: llama's q/k rows are stored interleaved), or None for a type they do not cover or
     blocks that do not dequantize exactly to `gguf.quants.dequantize`'s numbers."""
@@ -132,7 +148,7 @@ def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int,
 
 
 def checked_blocks(raw: np.ndarray, qtype: Type, rows: int,
-                   order=lambda x: x) -> tuple[Int4Blocks | Q8Blocks | Q6Blocks | None, np.ndarray]:
+                   order=lambda x: x) -> tuple[Int4Blocks | Q8Blocks | Q5Blocks | Q6Blocks | None, np.ndarray]:
     """kernel_blocks's answer, and the tensor as `gguf.quants.dequantize` gives it ([rows, K] float32, in `order`):
     the reference the blocks were checked against, and the weights where there are no blocks."""
     raw = np.ascontiguousarray(raw)
@@ -144,7 +160,7 @@ def checked_blocks(raw: np.ndarray, qtype: Type, rows: int,
     elif qtype == Type.Q8_0:
         blocks = Q8Blocks(raw.reshape(rows, -1, 34).copy())
     elif qtype == Type.Q5_0:
-        blocks = _q5_0_as_q8_0(raw, rows)
+        blocks = Q5Blocks(raw.reshape(rows, -1, 22).copy())
     elif qtype == Type.Q6_K:
         blocks = _q6_blocks(raw, rows)
     else:

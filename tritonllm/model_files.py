@@ -318,7 +318,7 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from tritonllm.gguf_blocks import Int4Blocks, Q8Blocks, kernel_blocks
+    from tritonllm.gguf_blocks import Int4Blocks, Q5Blocks, Q8Blocks, kernel_blocks
 
     config = json.loads((out_dir / "config.json").read_text())
     if config.get("model_type") not in BLOCK_MODEL_TYPES:
@@ -344,6 +344,8 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
                     blocks.update({f"{name}.q": found.q, f"{name}.d": found.d, f"{name}.m": found.m})
                 elif isinstance(found, Q8Blocks):
                     blocks[f"{name}.q8_0"] = found.blocks
+                elif isinstance(found, Q5Blocks):
+                    blocks[f"{name}.q5_0"] = found.blocks
                 else:
                     blocks.update({f"{name}.q6_codes": found.q, f"{name}.q6_scales": found.d})
             else:

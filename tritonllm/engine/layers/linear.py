@@ -13,7 +13,7 @@ checkpoint:
 |---|---|---|---|---|
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
-| int4 | the GGUF's own blocks: Q4_0, Q4_1, Q4_K as int4 blocks (scale d, zero m per 32 weights, fp32), Q8_0 as they are, Q5_0 as Q8_0, Q6_K as int8 codes with an fp32 scale per 16 (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4 | the GGUF's own blocks: Q4_0, Q4_1, Q4_K as int4 blocks (scale d, zero m per 32 weights, fp32), Q8_0 and Q5_0 as they are, Q6_K as int8 codes with an fp32 scale per 16 (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
 | int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one) | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
@@ -115,6 +115,26 @@ class Q8Weight:
 
 
 @dataclass(frozen=True)
+class Q5Weight:
+    """A projection's weights as a GGUF's Q5_0 blocks: [out, in / 32, 22] uint8 (fp16 d, 32 fifth bits, 16 bytes of
+    nibbles: w = d · (q − 16)), as the file stores them."""
+
+    blocks: torch.Tensor
+
+    @staticmethod
+    def concat(parts: list["Q5Weight"]) -> "Q5Weight":
+        return Q5Weight(torch.cat([p.blocks for p in parts]))
+
+    def as_q8(self) -> Q8Weight:
+        """The same numbers as Q8_0 blocks (for the integer kernels, which have no Q5_0 form)."""
+        from tritonllm.gguf_blocks import Q5Blocks
+        return Q8Weight(torch.from_numpy(Q5Blocks(self.blocks.numpy()).as_q8().blocks))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.as_q8().dequantize()
+
+
+@dataclass(frozen=True)
 class Q6Weight:
     """A projection's weights as a GGUF's Q6_K blocks, repacked exactly: w = d · q per 16 inputs."""
 
@@ -129,7 +149,7 @@ class Q6Weight:
         return self.d.repeat_interleave(self.q.shape[1] // self.d.shape[1], 1) * self.q.float()
 
 
-BlockWeight = Q4Weight | Q8Weight | Q6Weight
+BlockWeight = Q4Weight | Q8Weight | Q5Weight | Q6Weight
 
 
 @dataclass(frozen=True)
@@ -285,6 +305,22 @@ class Q8Projection(Projection):
         return cpu_ops.q8_matmul(x, self.packed)
 
 
+class Q5Projection(Projection):
+    """Q5_0 weights as the GGUF stores them (5.5 bits a weight): the CPU ops' kernel dequantizes w = d · (q − 16) per
+    block in registers and multiplies in fp32 (the same products, in the same order, as the Q8_0 kernel over the
+    same numbers as Q8_0 blocks: the same bits, a third fewer bytes read)."""
+
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.blocks = blocks.contiguous()
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return None if self.bias is not None else [("q5_0", self.blocks, self.blocks.shape[0])]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.q5_matmul(x, self.blocks)
+
+
 class Q6Projection(Projection):
     """Q6_K weights as int8 codes with an fp32 scale per 16 (10 bits a weight): the CPU ops' kernel dequantizes
     w = d · q per block in registers and multiplies in fp32 (int4-q8 too: no integer kernel for them yet)."""
@@ -350,8 +386,12 @@ class Choice:
         bias = None if bias is None else bias.to(self.dtype)
         if self.kernel == "int4":
             return Int4Projection(blocks, bias, self.dtype)
+        if isinstance(blocks, Q5Weight) and self.int8_activations:
+            blocks = blocks.as_q8()
         if isinstance(blocks, Q8Weight):
             return Q8Projection(blocks.blocks, bias, self.int8_activations)
+        if isinstance(blocks, Q5Weight):
+            return Q5Projection(blocks.blocks, bias)
         if isinstance(blocks, Q6Weight):
             return Q6Projection(blocks, bias)
         if self.kernel == "cpu_ops":

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from tritonllm.engine.layers.linear import BlockWeight, MixedWeight, Q4Weight, Q6Weight, Q8Weight
+from tritonllm.engine.layers.linear import BlockWeight, MixedWeight, Q4Weight, Q5Weight, Q6Weight, Q8Weight
 from tritonllm.model_files import BLOCKS_FILE, GGUF_HEADS, GGUF_PROJECTIONS, UNCOVERED_METADATA, llama_rotary_order
 from tritonllm.engine.models.architecture import ModelArchitecture
 
@@ -53,6 +53,8 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | N
         def weight(key: str) -> BlockWeight | None:
             if f"{key}.q8_0" in names:
                 return Q8Weight(handle.get_tensor(f"{key}.q8_0"))
+            if f"{key}.q5_0" in names:
+                return Q5Weight(handle.get_tensor(f"{key}.q5_0"))
             if f"{key}.q6_codes" in names:
                 return Q6Weight(handle.get_tensor(f"{key}.q6_codes"), handle.get_tensor(f"{key}.q6_scales"))
             return Q4Weight(*(handle.get_tensor(f"{key}.{p}") for p in "qdm")) if f"{key}.q" in names else None
@@ -74,7 +76,7 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
     numbers, as transformers' conversion gives them."""
     import gguf
 
-    from tritonllm.gguf_blocks import Int4Blocks, Q8Blocks, checked_blocks
+    from tritonllm.gguf_blocks import Int4Blocks, Q5Blocks, Q8Blocks, checked_blocks
 
     tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_path).tensors}
     uncovered: dict[str, list[int]] = {}
@@ -94,6 +96,8 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
             return Q4Weight(*(_tensor(a) for a in (found.q, found.d, found.m))), dense
         if isinstance(found, Q8Blocks):
             return Q8Weight(_tensor(found.blocks)), dense
+        if isinstance(found, Q5Blocks):
+            return Q5Weight(_tensor(found.blocks)), dense
         return Q6Weight(_tensor(found.q), _tensor(found.d)), dense
 
     def vector(name: str) -> torch.Tensor:

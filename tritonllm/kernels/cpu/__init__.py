@@ -40,6 +40,7 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q5_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q6_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
@@ -217,6 +218,12 @@ def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return _block_matmul(_library.q8_matmul, x, packed, packed.shape[0])
 
 
+def q5_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ a GGUF's Q5_0 blocks [out, in / 32, 22] uint8 (fp16 d, 32 high bits, 16 bytes of
+    nibbles: w = d · (q − 16)), as the file stores them, .T → [tokens, out]."""
+    return _block_matmul(_library.q5_matmul, x, blocks, blocks.shape[0])
+
+
 def q6_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q6's weights [out, in].T → [tokens, out]."""
     return _block_matmul(_library.q6_matmul, x, packed, packed.shape[0])
@@ -332,7 +339,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ---- a whole decode forward ----
 
-BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6": 2}  # as llama_decode.c's enum: what a projection part's blocks are
+BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6": 2, "q5_0": 3}  # llama_decode.c's enum: what a projection part's blocks are
 PROJECTION_PARTS = 3  # most parts of one fused projection (qkv)
 
 

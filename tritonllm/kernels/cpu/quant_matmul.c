@@ -1,8 +1,9 @@
 #include "cpu_ops.h"
 
 /* ---- projections over the checkpoint's quantized blocks: y[T][N] = x[T][K] . W[N][K]^T ----
- * int4 (a GGUF's Q4_0, Q4_1, Q4_K, repacked exactly at load): w = d * q + m per block of 32 inputs; Q8_0 (and Q5_0
- * as Q8_0): w = d * q, q signed; Q6 (a GGUF's Q6_K, repacked exactly): w = d * q, q signed, a scale per 16 inputs.
+ * int4 (a GGUF's Q4_0, Q4_1, Q4_K, repacked exactly at load): w = d * q + m per block of 32 inputs; Q8_0: w = d * q,
+ * q signed; Q5_0 (as the GGUF stores it): w = d * (q - 16), q of 5 bits; Q6 (a GGUF's Q6_K, repacked exactly):
+ * w = d * q, q signed, a scale per 16 inputs.
  * Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
 
 #define QUANT_BLOCK 32
@@ -10,6 +11,7 @@
                        * fp16 took a conversion and two shuffles per row and block), 16 bytes of nibbles: element
                        * j low, element j + 16 high */
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
+#define Q5_0_BYTES 22 /* fp16 d, 4 bytes of high bits (element j: bit j), 16 bytes: element j low, j + 16 high */
 #define Q6_BYTES 40   /* fp32 d of inputs 0..15 and of 16..31 (Q6_K's d * sc: 19 bits, exact in fp32), 32 signed
                        * bytes (Q6_K's q - 32): d * q is gguf's own product */
 
@@ -62,6 +64,27 @@ static inline void dequantize_q8_0(const uint8_t *block, vf *out) {
         const __m128i codes = _mm_loadl_epi64((const __m128i *)(block + 2 + i));
         out[i / VLEN] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * dv;
 #endif
+    }
+}
+
+static inline void dequantize_q5_0(const uint8_t *block, vf *out) {
+    const vf dv = splat(block_scale(block));
+    uint32_t high;
+    memcpy(&high, block + 2, 4);
+    vi lane;
+    for (int i = 0; i < VLEN; i++) lane[i] = i;
+    /* out[v] holds elements v * VLEN ..: their low 4 bits from the nibbles, the 5th from `high`, then - 16 */
+#if VLEN == 16
+    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 6)));
+    const vi nibbles[2] = {codes & 15, codes >> 4};
+#else
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 6))),
+                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 14)))};
+    const vi nibbles[4] = {codes[0] & 15, codes[1] & 15, codes[0] >> 4, codes[1] >> 4};
+#endif
+    for (int v = 0; v < BLOCK_VECTORS; v++) {
+        const vi fifth = (((vi){0} + (int32_t)(high >> (v * VLEN))) >> lane & 1) << 4;
+        out[v] = __builtin_convertvector((nibbles[v] | fifth) - 16, vf) * dv;
     }
 }
 
@@ -206,6 +229,7 @@ MICROKERNEL(1, 1)
 
 BLOCK_MATMUL(q4_matmul, dequantize_q4_1, Q4_1_BYTES)
 BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
+BLOCK_MATMUL(q5_matmul, dequantize_q5_0, Q5_0_BYTES)
 BLOCK_MATMUL(q6_matmul, dequantize_q6, Q6_BYTES)
 
 /* ---- the same projections with int8 activations, llama.cpp's way (its Q8_1 activations): each token's inputs
