@@ -71,6 +71,15 @@ static inline void dequantize_q5_0(const uint8_t *block, vf *out) {
     const vf dv = splat(block_scale(block));
     uint32_t high;
     memcpy(&high, block + 2, 4);
+#if VLEN == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* in bytes, as the Q8_0 codes: each nibble, less 16 where its fifth bit is clear (a masked subtract) */
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 6)), sixteen = _mm_set1_epi8(16);
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    const __m128i codes[2] = {_mm_mask_sub_epi8(low, (__mmask16)~high, low, sixteen),
+                              _mm_mask_sub_epi8(top, (__mmask16)~(high >> 16), top, sixteen)};
+    for (int v = 0; v < 2; v++) out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes[v])) * dv;
+#else
     vi lane;
     for (int i = 0; i < VLEN; i++) lane[i] = i;
     /* out[v] holds elements v * VLEN ..: their low 4 bits from the nibbles, the 5th from `high`, then - 16 */
@@ -86,6 +95,7 @@ static inline void dequantize_q5_0(const uint8_t *block, vf *out) {
         const vi fifth = (((vi){0} + (int32_t)(high >> (v * VLEN))) >> lane & 1) << 4;
         out[v] = __builtin_convertvector((nibbles[v] | fifth) - 16, vf) * dv;
     }
+#endif
 }
 
 static inline void dequantize_q6(const uint8_t *block, vf *out) {
