@@ -130,7 +130,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [tokens] → (final hidden states [tokens, hidden] before the last norm, routing).
         lora: per layer, the adapters of the batch's tokens (None: no token uses one).
         routing: with record_routing on a model with MoE layers, the expert ids each token was routed to,
-        [tokens, MoE layers, top_k] most likely first; else None."""
+        [tokens, MoE layers, top_k] most likely first; else None. Under a bf16 prefill_dtype, a step's decode rows
+        and prompt rows run as two forwards (_decodes_then_prompts)."""
         if self.prefill_dtype != torch.float32 and meta.prefill is not None:
             return self._decodes_then_prompts(input_ids, positions, meta, kv_caches, lora, record_routing)
         return self._layers(input_ids, positions, meta, kv_caches, lora, record_routing)
