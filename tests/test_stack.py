@@ -230,6 +230,11 @@ def test_engine_metrics_count_one_request_exactly(stack, client):
                 "tritonllm:generation_tokens_total": 5}
     wait_until_idle(stack)  # nothing of earlier tests still counting
     before = {name: metric(stack, name) for name in counters}
+    while True:  # nor published late (the engine publishes every 0.5 s): the counters still for a second
+        time.sleep(1.0)
+        if (now := {name: metric(stack, name) for name in counters}) == before:
+            break
+        before = now
     client.completions.create(model=stack.model_name, prompt=PROMPT, max_tokens=5, temperature=0, stream=False,
                               extra_body={"ignore_eos": True})
 

@@ -10,8 +10,8 @@ codes q and fp32 d, m. Three GGUF types are exactly that shape:
   of an exact product (d' has at most 17 significant bits, q 4).
 
 Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are, and so do
-Q5_0's (fp16 d, the 32 codes' fifth bits, their low nibbles: w = d · (q − 16)), the Q5_0 kernel's; for the integer
-kernels (int8 activations) a Q5_0 block becomes the Q8_0 block with codes q − 16, the same numbers.
+Q5_0's (fp16 d, the 32 codes' fifth bits, their low nibbles: w = d · (q − 16)), the Q5_0 kernel's (for the integer
+kernels, with int8 activations, they are repacked as Q8_0 blocks of codes q − 16: the same numbers).
 
 Q6_K (a super-block of 256 as 16 sub-blocks of 16: w = (d · sc) · (q − 32), 6-bit q, int8 sc) runs on a kernel of
 its own over int8 codes q − 32 with d' = fl32(d · sc) per 16 (10 bits a weight in place of 6.56): the kernel's
@@ -74,15 +74,11 @@ class Q5Blocks:
 
     blocks: np.ndarray
 
-    def as_q8(self) -> Q8Blocks:
-        """The same numbers as Q8_0 blocks (codes q − 16)."""
+    def dequantize(self) -> np.ndarray:
         block = self.blocks
         high = (block[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
-        codes = (_nibbles(block[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
-        return Q8Blocks(np.concatenate([block[..., :2], codes.view(np.uint8)], axis=-1))
-
-    def dequantize(self) -> np.ndarray:
-        return self.as_q8().dequantize()
+        codes = (_nibbles(block[..., 6:]) | (high.astype(np.uint8) << 4)).astype(np.float32) - 16
+        return (_half(block, 0) * codes).reshape(block.shape[0], -1)
 
     def rows_reordered(self, order) -> "Q5Blocks":
         return Q5Blocks(order(self.blocks))

@@ -127,8 +127,7 @@ class Q5Weight:
 
     def as_q8(self) -> Q8Weight:
         """The same numbers as Q8_0 blocks (for the integer kernels, which have no Q5_0 form)."""
-        from tritonllm.gguf_blocks import Q5Blocks
-        return Q8Weight(torch.from_numpy(Q5Blocks(self.blocks.numpy()).as_q8().blocks))
+        return Q8Weight(cpu_ops.pack_q5_as_q8(self.blocks))
 
     def dequantize(self) -> torch.Tensor:
         return self.as_q8().dequantize()

@@ -141,6 +141,15 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.cat([*scales, nibbles], dim=-1).contiguous()
 
 
+def pack_q5_as_q8(blocks: torch.Tensor) -> torch.Tensor:
+    """A GGUF's Q5_0 blocks [out, in / 32, 22] uint8 (fp16 d, 32 fifth bits: element j's is bit j, 16 bytes: element
+    j's low nibble, j + 16's high one; w = d · (q − 16)) → Q8_0 blocks [out, in / 32, 34] of the same numbers."""
+    fifth = (blocks[..., 2:6].contiguous().view(torch.int32) >> torch.arange(32, dtype=torch.int32)) & 1
+    low = blocks[..., 6:]
+    codes = (torch.cat([low & 15, low >> 4], dim=-1).to(torch.int16) | (fifth.to(torch.int16) << 4)) - 16
+    return torch.cat([blocks[..., :2], codes.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
+
+
 def pack_q6(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """int8 codes q [out, in] and fp32 scales d [out, in / 16] (a GGUF's Q6_K: w = d · q) → q6_matmul's blocks
     [out, in / 32, 40] uint8: the block's two scales, then its 32 codes."""
