@@ -14,8 +14,8 @@ from tritonllm.interface.settings import setting
 SCHEDULING_POLICIES = ("fcfs", "priority")  # tritonllm/engine/core/scheduler.py says what each does
 # tritonllm/engine/layers/linear.py says what each is
 WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "int4-q8")
-KV_CACHE_DTYPES = ("auto", "float16")
-PREFILL_DTYPES = ("auto", "float32", "bfloat16")  # tritonllm/engine/layers/prompt_rows.py  # tritonllm/engine/core/model_runner.py: kv_cache_dtype
+KV_CACHE_DTYPES = ("auto", "float16")  # tritonllm/engine/core/model_runner.py: kv_cache_dtype
+PREFILL_DTYPES = ("auto", "float32", "bfloat16")  # tritonllm/engine/layers/prompt_rows.py
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}

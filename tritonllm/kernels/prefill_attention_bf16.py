@@ -14,20 +14,20 @@ processes in 10), never after `warm_up` had run the same calls."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SEGMENT = 512  # keys: the flash kernel's KV split for 512 keys or more, so every call's splits fall alike
 ROW_TILE = 32  # the kernel's query tiles: 32 rows below 192, 64 from there to 767 (a segment holds at most 512)
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_causal_masks: dict[int, torch.Tensor] = {}
 
 
+@functools.cache
 def _causal_mask() -> torch.Tensor:
     """[SEGMENT, SEGMENT] bf16, 0 where row i may see key j (j <= i), -inf elsewhere."""
-    if SEGMENT not in _causal_masks:
-        allowed = torch.ones(SEGMENT, SEGMENT, dtype=torch.bool).tril()
-        _causal_masks[SEGMENT] = torch.zeros(SEGMENT, SEGMENT, dtype=torch.bfloat16).masked_fill_(~allowed, float("-inf"))
-    return _causal_masks[SEGMENT]
+    allowed = torch.ones(SEGMENT, SEGMENT, dtype=torch.bool).tril()
+    return torch.zeros(SEGMENT, SEGMENT, dtype=torch.bfloat16).masked_fill_(~allowed, float("-inf"))
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, context_len: int, padded: int) -> torch.Tensor:
@@ -76,7 +76,8 @@ def prefill_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                 lse = torch.logaddexp(earlier_lse, own_lse)
                 result = (earlier.float() * (earlier_lse - lse).exp().unsqueeze(-1)
                           + result * (own_lse - lse).exp().unsqueeze(-1))
-            out[start + first - offset:start + last - offset] = result[0, :, before:before + last - first].transpose(0, 1)
+            rows = result[0, :, before:before + last - first]
+            out[start + first - offset:start + last - offset] = rows.transpose(0, 1)
             first = last
     return out
 

@@ -56,6 +56,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                           meta.decode_context_lens, scale, meta.decode_workspace)
     batch = meta.prefill
     prefill_attention = prefill_attention_bf16 if matmul_dtype() == torch.bfloat16 else kernels.prefill_attention
-    out[num_decode:] = prefill_attention(q[num_decode:], k_cache, v_cache, batch.query_starts,
-                                                 batch.query_lens, batch.context_lens, batch.block_tables, scale)
+    out[num_decode:] = prefill_attention(q[num_decode:], k_cache, v_cache, batch.query_starts, batch.query_lens,
+                                         batch.context_lens, batch.block_tables, scale)
     return out

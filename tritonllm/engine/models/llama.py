@@ -158,9 +158,10 @@ class LlamaForCausalLM(nn.Module):
         decodes = meta.num_decode_tokens
         prompt_meta = replace(meta, slot_mapping=meta.slot_mapping[decodes:], num_decode_tokens=0,
                               decode_block_tables=None, decode_context_lens=None)
+        prompt_lora = _rows_of(lora, slice(decodes, None))
         with computing_prompt_rows(self.prefill_dtype):
             prompt_hidden, prompt_routing = self._layers(input_ids[decodes:], positions[decodes:], prompt_meta,
-                                                         kv_caches, _rows_of(lora, slice(decodes, None)), record_routing)
+                                                         kv_caches, prompt_lora, record_routing)
         if not decodes:
             return prompt_hidden, prompt_routing
         decode_meta = replace(meta, slot_mapping=meta.slot_mapping[:decodes], prefill=None)
