@@ -1,5 +1,6 @@
-"""prefill_dtype=bfloat16: prompt rows on the CPU's bf16 matrix units. The attention op against the float32
-reference, a position's result independent of how its prompt is cut into chunks (to the bit), the engine's output
+"""prefill_dtype=bfloat16: prompt rows on the CPU's bf16 matrix units. The attention op's two paths (the AMX kernel,
+torch's flash kernel) against the float32 reference, a position's result independent of how its prompt is cut into
+chunks (to the bit), the engine's output
 close to float32 prompts' and independent of what a prompt is batched with; where it may not be asked for and where
 auto takes it."""
 
@@ -17,7 +18,9 @@ from tritonllm.engine.layers.linear import cpu_has_bf16
 from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.kernels.prefill_attention import prefill_attention_reference
-from tritonllm.kernels.prefill_attention_bf16 import prefill_attention_bf16, warm_up
+from tritonllm.kernels import cpu
+from tritonllm.kernels.prefill_attention_bf16 import prefill_attention_flash, warm_up
+from tritonllm.model_files import cpu_ops_dir
 from engine_helpers import assert_idle, generate, prefill_logits
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -46,25 +49,55 @@ def in_chunks(op, chunks: list[int], q, k_cache, v_cache, table) -> torch.Tensor
     return torch.cat(out)
 
 
-def test_bf16_attention_is_close_to_the_float32_reference():
+def prefill_attention_amx(*args) -> torch.Tensor:
+    assert cpu.load(cpu_ops_dir())  # the test machines have a C compiler
+    out = cpu.prefill_attention_amx(*args)
+    if out is None:
+        pytest.skip("no AMX tiles on this CPU (or OS): prefill_attention_bf16 takes the flash path")
+    return out
+
+
+PATHS = [pytest.param(prefill_attention_amx, id="amx"), pytest.param(prefill_attention_flash, id="flash")]
+
+
+@pytest.mark.parametrize("op", PATHS)
+def test_bf16_attention_is_close_to_the_float32_reference(op):
     inputs = context(1300)
-    ours = in_chunks(prefill_attention_bf16, [700, 600], *inputs)
+    ours = in_chunks(op, [700, 600], *inputs)
     expected = in_chunks(prefill_attention_reference, [1300], *inputs)
     # bf16 queries, keys and probabilities (8-bit mantissas), fp32 sums: outputs here are within about ±3
     assert (ours - expected).abs().max().item() < 0.03
 
 
-def test_bf16_attention_of_a_position_does_not_depend_on_the_chunks():
-    """Chunks of 1 to 700 rows, starting anywhere in a segment: every position the same bits as the whole prompt
-    in one chunk (the flash kernel's sums follow its key splits and its rows' place in a tile of queries: without
-    the fixed segments and tile-aligned rows, a chunk of 201 rows gave one position other bits here)."""
+@pytest.mark.parametrize("op", PATHS)
+def test_bf16_attention_of_a_position_does_not_depend_on_the_chunks(op):
+    """Chunks of 1 to 700 rows, starting anywhere: every position the same bits as the whole prompt in one chunk.
+    The flash kernel's sums follow its key splits and its rows' place in a tile of queries: without the fixed
+    segments and tile-aligned rows, a chunk of 201 rows gave one position other bits here. The AMX kernel's block
+    maxima must leave out the keys after a query: with them, these cuttings gave other bits."""
     inputs = context(1300)
-    warm_up(HEADS, KV_HEADS, HEAD_DIM)  # the kernel's first calls in a process may differ, as the engine's load does
-    whole = in_chunks(prefill_attention_bf16, [1300], *inputs)
+    warm_up(HEADS, KV_HEADS, HEAD_DIM)  # the flash kernel's first calls in a process may differ, as at engine load
+    whole = in_chunks(op, [1300], *inputs)
     cuts = random.Random(0)
     for _ in range(6):
         chunks = [cuts.choice([1, 2, 3, 17, 64, 191, 300, 513, 700]) for _ in range(60)]
-        assert torch.equal(in_chunks(prefill_attention_bf16, chunks, *inputs), whole), chunks
+        assert torch.equal(in_chunks(op, chunks, *inputs), whole), chunks
+
+
+def test_the_amx_kernel_reads_a_float16_cache_and_batched_chunks_as_one_at_a_time():
+    """Two prompts' chunks in one call, from a float16 KV cache: each as its own call gives."""
+    q, k_cache, v_cache, table = context(700, seed=1)
+    k_cache, v_cache = k_cache.half(), v_cache.half()
+    tables = torch.cat([table, table.roll(5, 1)])  # the second prompt: the same blocks in another order
+    starts, lens, contexts = torch.tensor([0, 300]), torch.tensor([300, 150]), torch.tensor([500, 650])
+    both = prefill_attention_amx(q[:450], k_cache, v_cache, starts, lens, contexts, tables, HEAD_DIM ** -0.5)
+    for i in range(2):
+        alone = prefill_attention_amx(q[starts[i]:starts[i] + lens[i]], k_cache, v_cache, torch.tensor([0]),
+                                      lens[i:i + 1], contexts[i:i + 1], tables[i:i + 1], HEAD_DIM ** -0.5)
+        assert torch.equal(both[starts[i]:starts[i] + lens[i]], alone)
+    expected = prefill_attention_reference(q[:450], k_cache, v_cache, starts, lens, contexts, tables,
+                                           HEAD_DIM ** -0.5)
+    assert (both - expected).abs().max().item() < 0.03
 
 
 @pytest.fixture(scope="module")

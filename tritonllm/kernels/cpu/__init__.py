@@ -47,6 +47,8 @@ SIGNATURES = {
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
     "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p,
                                 _i64],
+    "paged_prefill_attention_amx": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32,
+                                    _p, _i64],
     "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
     "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _i64],
@@ -55,6 +57,8 @@ SIGNATURES = {
     "llama_decode": [_p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _p, _p, _p, _i64, _p, _i64, _p, _i64,
                      _p, _p, _i64, _i64],
 }
+
+RESULTS = {"paged_prefill_attention_amx": _i64}  # the rest return nothing
 
 
 def _cpu_flags() -> str:
@@ -111,7 +115,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         getattr(library, name).argtypes = argtypes
-        getattr(library, name).restype = None
+        getattr(library, name).restype = RESULTS.get(name)
     return library
 
 
@@ -319,23 +323,46 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def _prefill_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
+                       query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                       scale: float) -> tuple | None:
+    """The prefill attention ops' arguments but their output, or None where the C ops do not take these tensors."""
+    half = _half(k_cache, v_cache)
+    if not (_rows(q) and half is not None):
+        return None
+    rows, heads, head_dim = q.shape
+    tables = _table(block_tables.to(torch.int64))
+    starts, lens, contexts = (t.to(torch.int32).contiguous() for t in (query_starts, query_lens, context_lens))
+    return (q.data_ptr(), q.stride(0), len(starts), starts.data_ptr(), lens.data_ptr(), contexts.data_ptr(), heads,
+            head_dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2], tables.data_ptr(),
+            tables.stride(0), scale), (starts, lens, contexts, tables), half
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
                       query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    half = _half(k_cache, v_cache)
-    if not (_rows(q) and block_tables.dtype == torch.int64 and half is not None and
-            all(t.dtype == torch.int32 for t in (query_starts, query_lens, context_lens))):
+    arguments = _prefill_arguments(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale)
+    if arguments is None:
         return prefill_attention_reference(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables,
                                            scale)
-    rows, heads, head_dim = q.shape
-    out = torch.empty(rows, heads, head_dim, dtype=torch.float32)
-    tables = _table(block_tables)
-    starts, lens, contexts = query_starts.contiguous(), query_lens.contiguous(), context_lens.contiguous()
-    _library.paged_prefill_attention(q.data_ptr(), q.stride(0), len(starts), starts.data_ptr(), lens.data_ptr(),
-                                      contexts.data_ptr(), heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                                      k_cache.shape[1], k_cache.shape[2], tables.data_ptr(), tables.stride(0), scale,
-                                      out.data_ptr(), half)
+    pointers, _kept, half = arguments
+    out = torch.empty(q.shape, dtype=torch.float32)
+    _library.paged_prefill_attention(*pointers, out.data_ptr(), half)
     return out
+
+
+def prefill_attention_amx(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
+                          query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                          scale: float) -> torch.Tensor | None:
+    """prefill_attention for prompts computed in bfloat16, on AMX tiles (attention_amx.c): Q, K, V and the
+    probabilities rounded to bf16, sums in float32. None where this library, CPU or OS has no AMX tiles, the head
+    size is not 64 or the tensors are not the C ops' kind."""
+    arguments = _prefill_arguments(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale)
+    if arguments is None or _library is None:
+        return None
+    pointers, _kept, half = arguments
+    out = torch.empty(q.shape, dtype=torch.float32)
+    return None if _library.paged_prefill_attention_amx(*pointers, out.data_ptr(), half) else out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,274 @@
+#include "cpu_ops.h"
+
+/* ---- causal prefill attention on AMX bf16 tiles (prompts computed in bfloat16) ----
+ * Same inputs and meaning as paged_prefill_attention (attention.c), for head size 64; returns 0, or 1 where this
+ * build or this OS gives no AMX tiles (the caller then runs another op).
+ *
+ * Each call first copies its chunks' contexts out of the paged cache into bf16: K as rows [key][64], V transposed
+ * [64][key], both zero past the context up to a whole number of key blocks. A task is 16 consecutive query
+ * positions of one head. It computes transposed scores, keys by queries (so the online softmax's maxima and sums
+ * run down columns, one vector holds one value for each query, with no lane shuffles), and keeps the transposed
+ * output O^T [64][16] in four fp32 tiles across the key blocks: per block of 64 keys from key 0,
+ *     S^T = K Q^T (Q prescaled by scale * log2 e), m' = max(m, max_k S^T), P^T = 2^(S^T - m'),
+ *     O^T = O^T * 2^(m - m') (only where some query's maximum moved), O^T += V^T P^T, l = l * 2^(m - m') + sum_k P^T.
+ * A tile's element depends only on its row of the left operand, its column of the right and its own value, so a
+ * query's result is computed alike whatever tile, chunk or step it runs in: a block a query does not see (past its
+ * position) leaves its m, l and O exactly as they were (2^0 is exactly 1 and its P is 0). */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_HEAD 64    /* head size: four 16-column output tiles */
+#define AMX_QUERIES 16 /* query positions per task: a tile's columns */
+#define AMX_KEYS 64    /* keys per softmax step: four 16-row score tiles, two 32-key right operands for V^T P^T */
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux gives a process the AMX register state only when asked (once; every thread then has it). */
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+}
+
+/* Every tile 16 rows of 64 bytes: tmm0 a left operand (16 rows of 32 bf16), tmm1 a right one (16 pairs of rows,
+ * interleaved), tmm2-3 scores, tmm4-7 the output. */
+static void configure_tiles(void) {
+    TileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+}
+
+/* 2^x to 4e-6 (a minimax polynomial on the reduced range), 2^0 exactly 1; -inf gives NaN (callers mask it) */
+static inline __m512 exp2_lanes(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(0.009570087306201458f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.05591787025332451f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2402474582195282f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931217908859253f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n); /* underflows to 0 under the tasks' flush-to-zero */
+}
+
+static inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+/* 16 floats of a cache row (float32, or float16 when `half`) */
+static inline __m512 load_row(const void *cache, int64_t element, int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + element)));
+    return _mm512_loadu_ps((const float *)cache + element);
+}
+
+/* Keys key0 .. key0 + AMX_KEYS - 1 of kv head g as one block of left operands, each 16 rows of 64 bytes in a row
+ * (zeros from `context` on): K as [16-key group][half of the head][16 keys][32 dims], then V^T as
+ * [32-key half][64 dims][32 keys]. */
+static void copy_key_block(const void *k_cache, const void *v_cache, const int64_t *table, int64_t block_size,
+                           int64_t kv_heads, int64_t g, int64_t key0, int64_t context, uint16_t *block, int half) {
+    uint16_t values[AMX_KEYS][AMX_HEAD] __attribute__((aligned(64)));
+    uint16_t *v_columns = block + AMX_KEYS * AMX_HEAD;
+    for (int64_t k = 0; k < AMX_KEYS; k++) {
+        const int64_t key = key0 + k;
+        uint16_t *k_row = block + (k / 16 * 2 * 16 + k % 16) * 32; /* its first half; the second 16 rows on */
+        if (key >= context) {
+            memset(k_row, 0, 64);
+            memset(k_row + 16 * 32, 0, 64);
+            memset(values[k], 0, AMX_HEAD * 2);
+            continue;
+        }
+        const int64_t element = ((table[key / block_size] * block_size + key % block_size) * kv_heads + g) * AMX_HEAD;
+        for (int d = 0; d < AMX_HEAD; d += 16) {
+            _mm256_storeu_si256((__m256i *)(k_row + d / 32 * 16 * 32 + d % 32),
+                                to_bf16(load_row(k_cache, element + d, half)));
+            _mm256_store_si256((__m256i *)(values[k] + d), to_bf16(load_row(v_cache, element + d, half)));
+        }
+    }
+    for (int k = 0; k < AMX_KEYS; k++)
+        for (int d = 0; d < AMX_HEAD; d++) v_columns[(k / 32 * AMX_HEAD + d) * 32 + k % 32] = values[k][d];
+}
+
+/* The right operand of Q^T: [32 dims as 16 pairs][16 queries][2], for dims 32 * half_ .. + 31 */
+static void pack_queries(const float *q, int64_t q_stride, int64_t count, float prescale,
+                         uint16_t packed[2][16][AMX_QUERIES * 2]) {
+    uint16_t rows[AMX_QUERIES][AMX_HEAD] __attribute__((aligned(64))) = {{0}};
+    for (int64_t j = 0; j < count; j++)
+        for (int d = 0; d < AMX_HEAD; d += 16)
+            _mm256_store_si256((__m256i *)(rows[j] + d),
+                               to_bf16(_mm512_mul_ps(_mm512_loadu_ps(q + j * q_stride + d), _mm512_set1_ps(prescale))));
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < 16; r++)
+            for (int j = 0; j < AMX_QUERIES; j++) {
+                packed[h][r][2 * j] = rows[j][32 * h + 2 * r];
+                packed[h][r][2 * j + 1] = rows[j][32 * h + 2 * r + 1];
+            }
+}
+
+/* One task: queries at positions first .. first + count - 1 (rows q, q + q_stride, ...) of one head, over the
+ * copied key blocks of its kv head; out rows out_stride floats apart. */
+static void attend_tile(const float *q, int64_t q_stride, int64_t count, int64_t first, const uint16_t *blocks,
+                        float scale, float *out, int64_t out_stride) {
+    uint16_t queries[2][16][AMX_QUERIES * 2] __attribute__((aligned(64)));
+    uint16_t probabilities[2][16][AMX_QUERIES * 2] __attribute__((aligned(64)));
+    float scores[AMX_KEYS][AMX_QUERIES] __attribute__((aligned(64)));
+    float output[AMX_HEAD][AMX_QUERIES] __attribute__((aligned(64)));
+    pack_queries(q, q_stride, count, scale * 1.4426950408889634f, queries);
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* each query's position (lanes past count repeat the last: they are computed, never written) */
+    const __m512i positions = _mm512_add_epi32(_mm512_set1_epi32((int32_t)first),
+                                               _mm512_min_epi32(lanes, _mm512_set1_epi32((int32_t)count - 1)));
+    const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    __m512 maximum = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    const int64_t last = first + count - 1;
+    for (int64_t key0 = 0; key0 <= last; key0 += AMX_KEYS) {
+        const uint16_t *keys = blocks + key0 * 2 * AMX_HEAD, *values = keys + AMX_KEYS * AMX_HEAD;
+        for (int h = 0; h < 2; h++) { /* S^T for keys key0 + 32 h .. + 31 */
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int half_ = 0; half_ < 2; half_++) {
+                _tile_loadd(1, queries[half_], 64);
+                _tile_loadd(0, keys + ((4 * h + half_) * 16) * 32, 64);
+                _tile_dpbf16ps(2, 0, 1);
+                _tile_loadd(0, keys + ((4 * h + 2 + half_) * 16) * 32, 64);
+                _tile_dpbf16ps(3, 0, 1);
+            }
+            _tile_stored(2, scores[32 * h], 64);
+            _tile_stored(3, scores[32 * h + 16], 64);
+        }
+        const int masked = key0 + AMX_KEYS - 1 > first; /* some query here is before some key */
+        __m512 block_maximum = _mm512_set1_ps(-INFINITY);
+        for (int k = 0; k < AMX_KEYS; k++) {
+            __m512 s = _mm512_load_ps(scores[k]);
+            if (masked) {
+                s = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32((int32_t)(key0 + k))),
+                                         _mm512_set1_ps(-INFINITY), s);
+                _mm512_store_ps(scores[k], s);
+            }
+            block_maximum = _mm512_max_ps(block_maximum, s);
+        }
+        const __m512 moved_to = _mm512_max_ps(maximum, block_maximum);
+        /* 0 where the maximum was -inf (the first block: O and l are 0) */
+        const __m512 rescale = exp2_lanes(_mm512_max_ps(_mm512_sub_ps(maximum, moved_to), _mm512_set1_ps(-127.0f)));
+        maximum = moved_to;
+        total = _mm512_mul_ps(total, rescale);
+        for (int k = 0; k < AMX_KEYS; k += 2) {
+            __m512 p0 = exp2_lanes(_mm512_sub_ps(_mm512_load_ps(scores[k]), maximum));
+            __m512 p1 = exp2_lanes(_mm512_sub_ps(_mm512_load_ps(scores[k + 1]), maximum));
+            if (masked) {
+                p0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32((int32_t)(key0 + k))), p0);
+                p1 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32((int32_t)(key0 + k + 1))),
+                                         p1);
+            }
+            total = _mm512_add_ps(_mm512_add_ps(total, p0), p1);
+            const __m512i pair = _mm512_permutex2var_epi16(_mm512_castsi256_si512(to_bf16(p0)), interleave,
+                                                           _mm512_castsi256_si512(to_bf16(p1)));
+            _mm512_store_si512(probabilities[k / 32][(k % 32) / 2], pair);
+        }
+        if (_mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) {
+            _tile_stored(4, output[0], 64);
+            _tile_stored(5, output[16], 64);
+            _tile_stored(6, output[32], 64);
+            _tile_stored(7, output[48], 64);
+            for (int d = 0; d < AMX_HEAD; d++) _mm512_store_ps(output[d], _mm512_mul_ps(_mm512_load_ps(output[d]), rescale));
+            _tile_loadd(4, output[0], 64);
+            _tile_loadd(5, output[16], 64);
+            _tile_loadd(6, output[32], 64);
+            _tile_loadd(7, output[48], 64);
+        }
+        for (int h = 0; h < 2; h++) { /* O^T += V^T P^T over keys key0 + 32 h .. + 31 */
+            const uint16_t *dims = values + h * AMX_HEAD * 32;
+            _tile_loadd(1, probabilities[h], 64);
+            _tile_loadd(0, dims, 64);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(0, dims + 16 * 32, 64);
+            _tile_dpbf16ps(5, 0, 1);
+            _tile_loadd(0, dims + 32 * 32, 64);
+            _tile_dpbf16ps(6, 0, 1);
+            _tile_loadd(0, dims + 48 * 32, 64);
+            _tile_dpbf16ps(7, 0, 1);
+        }
+    }
+    _tile_stored(4, output[0], 64);
+    _tile_stored(5, output[16], 64);
+    _tile_stored(6, output[32], 64);
+    _tile_stored(7, output[48], 64);
+    float inverse[AMX_QUERIES] __attribute__((aligned(64)));
+    _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
+    for (int64_t j = 0; j < count; j++)
+        for (int d = 0; d < AMX_HEAD; d++) out[j * out_stride + d] = output[d][j] * inverse[j];
+}
+
+int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
+                                    const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
+                                    const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
+                                    const int64_t *block_tables, int64_t table_stride, float scale, float *out,
+                                    int64_t half) {
+    if (D != AMX_HEAD || !amx_permitted()) return 1;
+    const int64_t group = H / kv_heads;
+    /* chunk c's copy: kv_heads x padded[c] / AMX_KEYS key blocks (copy_key_block), from copy_start[c] */
+    int64_t *padded = malloc((size_t)(chunks * 8)), *copy_start = malloc((size_t)((chunks + 1) * 8));
+    int64_t *first_task = malloc((size_t)((chunks + 1) * 8)), *first_block = malloc((size_t)((chunks + 1) * 8));
+    copy_start[0] = first_task[0] = first_block[0] = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        padded[c] = (context_lens[c] + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
+        copy_start[c + 1] = copy_start[c] + kv_heads * 2 * padded[c] * AMX_HEAD;
+        first_task[c + 1] = first_task[c] + H * ((query_lens[c] + AMX_QUERIES - 1) / AMX_QUERIES);
+        first_block[c + 1] = first_block[c] + kv_heads * padded[c] / AMX_KEYS;
+    }
+    uint16_t *copy = aligned_alloc(64, (size_t)(copy_start[chunks] * 2 + 64));
+#pragma omp parallel
+    {
+        int64_t c = 0;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < first_block[chunks]; task++) {
+            while (task >= first_block[c + 1]) c++;
+            const int64_t blocks = padded[c] / AMX_KEYS, g = (task - first_block[c]) / blocks;
+            const int64_t key0 = (task - first_block[c]) % blocks * AMX_KEYS;
+            copy_key_block(k_cache, v_cache, block_tables + c * table_stride, block_size, kv_heads, g, key0,
+                           context_lens[c], copy + copy_start[c] + (g * padded[c] + key0) * 2 * AMX_HEAD, (int)half);
+        }
+        configure_tiles();
+        const unsigned int float_control = _mm_getcsr();
+        _mm_setcsr(float_control | 0x8040); /* denormals as 0 (flush-to-zero, denormals-are-zero): no slow assists */
+        c = 0;
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < first_task[chunks]; task++) {
+            while (task >= first_task[c + 1]) c++;
+            const int64_t tiles = (first_task[c + 1] - first_task[c]) / H, index = task - first_task[c];
+            const int64_t tile = tiles - 1 - index / H, head = index % H; /* a chunk's longest tiles first */
+            const int64_t i0 = tile * AMX_QUERIES, row = query_starts[c] + i0;
+            const int64_t count = query_lens[c] - i0 < AMX_QUERIES ? query_lens[c] - i0 : AMX_QUERIES;
+            attend_tile(q + row * q_stride + head * AMX_HEAD, q_stride, count, context_lens[c] - query_lens[c] + i0,
+                        copy + copy_start[c] + head / group * padded[c] * 2 * AMX_HEAD, scale,
+                        out + (row * H + head) * AMX_HEAD, H * AMX_HEAD);
+        }
+        _mm_setcsr(float_control);
+        _tile_release();
+    }
+    free(copy);
+    free(first_block);
+    free(first_task);
+    free(copy_start);
+    free(padded);
+    return 0;
+}
+
+#else
+
+int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
+                                    const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
+                                    const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
+                                    const int64_t *block_tables, int64_t table_stride, float scale, float *out,
+                                    int64_t half) {
+    return 1;
+}
+
+#endif
