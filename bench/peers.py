@@ -1,17 +1,29 @@
 """This server against its CPU peers, as a user would compare them: `tritonllm serve`, llama.cpp's `llama-server`
-(on the default model's own Q4_1 GGUF, a slot per stream, continuous batching) and vLLM's CPU build (fp32,
-torch-compiled), each started here in turn on loopback, given the same streaming workload (bench/throughput.py's
-load generator: the same prompts, temperature 0.7, `--max-tokens` tokens per request with EOS ignored) at each
-`--streams` level after one warm-up request, and stopped before the next starts, so none shares the cores.
+(on the default model's own Q4_1 GGUF, a slot per stream, continuous batching) and vLLM's CPU build
+(torch-compiled; `--vllm-dtype`, auto: bfloat16 on a CPU with bf16 hardware, AMX or AVX512-BF16, float32 elsewhere
+and with `--isa avx2`), each started here in turn on loopback, given the same streaming workload
+(bench/throughput.py's load generator: the same prompts, temperature 0.7, `--max-tokens` tokens per request with
+EOS ignored) at each `--streams` level after one warm-up request, and stopped before the next starts, so none shares
+the cores.
 
     bash bench/setup_peers.sh /work/peers      # builds both peers there, once
     .venv/bin/python bench/peers.py --llama-server /work/peers/llama.cpp/build/bin/llama-server \\
         --vllm-python /work/peers/vllm-venv/bin/python [--streams 1,32] [--requests-per-stream 2] \\
-        [--max-tokens 128] [--in-process] [--json peers.json]
+        [--max-tokens 128] [--prompt-tokens 512,2048,8000] [--vllm-dtype auto] [--in-process] [--json peers.json]
 
 A peer whose flag is not given is skipped. The compared figure is decode tok/s at one stream (one stream's rate
 once its first token is out: 1 / mean ITL) and aggregate output tok/s at more; the ratios are ours / peer.
 `--in-process` adds the engine in this process (bench/throughput.py's engine_run) for stack / in-process.
+
+`--prompt-tokens 512,2048,8000` measures long prompts too (after the `--streams` runs; `--streams 0` skips those):
+on each server, after a warm-up prompt of the shortest length, one streamed `/v1/completions` request at a time,
+three per length, each prompt exactly that many token ids of the default model's tokenizer (sent as a list of ints,
+so no server tokenizes: random ordinary tokens, drawn once from a fixed seed, the same prompts on every server), one
+output token, EOS ignored; TTFT is the time to the first streamed choice, prefill tok/s the prompt tokens over the
+median TTFT, and the ratio ours / peer of median TTFT. No prompt shares its first token with another, so no server
+finds a cached prefix (llama-server is also sent `cache_prompt: false`); a request whose usage counts other prompt
+tokens, or any cached, counts as an error. The servers' contexts hold the longest prompt (llama-server's KV is then
+unified: one slot may take the whole context).
 
 `--gguf FILE` compares the servers on a GGUF file a user brings: ours serves it with `tritonllm serve --model FILE`
 (its cache of that file removed first, so the start is a first start) and llama-server the same file; vLLM is left
@@ -32,7 +44,9 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import shutil
@@ -46,12 +60,14 @@ from pathlib import Path
 
 import httpx
 import torch
+from transformers import AutoTokenizer
 
 # bench/ is the script's directory; importing throughput puts the repository and tests/ on the path
 from throughput import Run, cpu_description, engine_run, median_ms, streaming_run
 
 from tritonllm.engine.config import EngineConfig
 from tritonllm.launcher import ENGINE_ENV, answers_ok
+from tritonllm.engine.layers.linear import cpu_has_bf16
 from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.model_files import converted_gguf_dir, default_gguf_path, prepare_default_model
 import stack_helpers
@@ -61,9 +77,12 @@ from tritonllm.scale_out import Child
 OURS = "tritonllm serve"
 IN_PROCESS = "tritonllm in-process"
 PROMPT_TOKENS_PER_SLOT = 256  # make_prompts' longest prompt is ~120 tokens; llama-server's context is per slot
-VLLM_MAX_MODEL_LEN = 2048
+VLLM_MAX_MODEL_LEN = 2048  # raised to the longest --prompt-tokens prompt's needs
 VLLM_KV_CACHE_GIB = 2
 WARM_UP_TOKENS = 8
+PROMPTS_PER_LENGTH = 3
+PREFILL_OUTPUT_TOKENS = 1
+PREFILL_SEED = 44
 STOP_GRACE_S = 30
 
 
@@ -80,6 +99,34 @@ class Peer:
     env: dict[str, str | None]  # over this process's environment; None: unset
     port: int
     version_command: list[str]
+    request_extras: dict = field(default_factory=dict)  # added to each long-prompt request's body
+    dtype: str | None = None  # the compute dtype it was started with, where we chose it
+
+
+@dataclass
+class Prefill:
+    """One prompt length's TTFTs on one server, a request at a time."""
+
+    prompt_tokens: int
+    ttft: list[float] = field(default_factory=list)  # seconds, of the requests that counted
+    errors: int = 0  # requests that failed, or whose usage counted other prompt tokens, or any cached
+
+    @property
+    def ttft_p50(self) -> float:
+        return statistics.median(self.ttft) if self.ttft else float("nan")
+
+    @property
+    def rate(self) -> float:
+        """Prompt tokens per second at the median TTFT."""
+        return self.prompt_tokens / self.ttft_p50
+
+
+@dataclass(frozen=True)
+class LongPrompts:
+    """The long prompts every server gets, as token ids: a warm-up one, then PROMPTS_PER_LENGTH per length."""
+
+    warm_up: list[int]
+    by_length: dict[int, list[list[int]]]
 
 
 @dataclass
@@ -93,6 +140,8 @@ class Measured:
     runs: dict[int, Run] = field(default_factory=dict)
     first_answer_s: float | None = None  # seconds from start to the end of the first (warm-up) request
     memory: PeakMemory | None = None
+    dtype: str | None = None
+    prefills: dict[int, Prefill] = field(default_factory=dict)  # by prompt tokens
 
 
 class PeakMemory:
@@ -200,19 +249,88 @@ def running_peer(peer: Peer, log_dir: Path, ready_timeout_s: float) -> Iterator[
             pass
 
 
-def measure(url: str, label: str, levels: list[int], requests_per_stream: int, max_tokens: int,
-            measured: Measured, started: float) -> None:
-    """The runs at each level into `measured`, after a warm-up request whose end is the first answer."""
+def long_prompts(lengths: list[int], model_dir: Path) -> LongPrompts:
+    """Random ordinary tokens (no added or special one), each prompt's first token its own, so no prompt shares a
+    prefix with another (the warm-up one included) and no server finds one in its cache."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ordinary = sorted(set(range(len(tokenizer))) - set(tokenizer.added_tokens_decoder))
+    sizes = [min(lengths)] + [length for length in lengths for _ in range(PROMPTS_PER_LENGTH)]
+    rng = random.Random(PREFILL_SEED)
+    prompts = [[first, *rng.choices(ordinary, k=size - 1)] for first, size in
+               zip(rng.sample(ordinary, len(sizes)), sizes)]
+    return LongPrompts(prompts[0], {length: prompts[1 + i * PROMPTS_PER_LENGTH:1 + (i + 1) * PROMPTS_PER_LENGTH]
+                                    for i, length in enumerate(lengths)})
+
+
+def first_token_s(url: str, model: str, prompt: list[int], extras: dict) -> float:
+    """Seconds from sending one streamed completion of `prompt` to its first choice; ValueError when the server's
+    usage counts other prompt tokens than sent, or any of them cached."""
+    body = {"model": model, "prompt": prompt, "max_tokens": PREFILL_OUTPUT_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extras}
+    first, usage = None, None
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/completions", json=body, timeout=1800) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+    if first is None or usage is None:
+        raise ValueError(f"no choice or no usage streamed (usage {usage})")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    if usage["prompt_tokens"] != len(prompt) or cached:
+        raise ValueError(f"sent {len(prompt)} prompt tokens, usage: {usage}")
+    return first
+
+
+def measure_prefills(url: str, model: str, label: str, prompts: LongPrompts, extras: dict) -> dict[int, Prefill]:
+    """Each length's prompts, one request at a time, after the warm-up prompt."""
+    first_token_s(url, model, prompts.warm_up, extras)
+    prefills = {}
+    for length, of_length in prompts.by_length.items():
+        prefill = prefills[length] = Prefill(length)
+        for prompt in of_length:
+            try:
+                prefill.ttft.append(first_token_s(url, model, prompt, extras))
+                print(f"{label}: {length} prompt tokens, TTFT {prefill.ttft[-1]:.2f} s", flush=True)
+            except (httpx.HTTPError, ValueError) as error:
+                print(f"{label}: {length} prompt tokens, request failed: {error!r}", flush=True)
+                prefill.errors += 1
+    return prefills
+
+
+def measure(url: str, label: str, levels: list[int], args: argparse.Namespace, prompts: LongPrompts | None,
+            measured: Measured, started: float, extras: dict | None = None) -> None:
+    """The runs at each level, then the long prompts', into `measured`, after a warm-up request whose end is the
+    first answer. extras: added to each long-prompt request's body."""
     model = served_model(url)
     asyncio.run(streaming_run(url, model, 1, 1, WARM_UP_TOKENS, label))
     measured.first_answer_s = time.monotonic() - started
-    measured.runs = {n: asyncio.run(streaming_run(url, model, n, requests_per_stream, max_tokens, label))
+    measured.runs = {n: asyncio.run(streaming_run(url, model, n, args.requests_per_stream, args.max_tokens, label))
                      for n in levels}
+    if prompts:
+        measured.prefills = measure_prefills(url, model, label, prompts, extras or {})
 
 
-def llama_server_context(slots: int, max_tokens: int) -> int:
-    """Tokens of llama-server's KV cache (its context, shared by the slots)."""
-    return slots * (PROMPT_TOKENS_PER_SLOT + max_tokens)
+def longest_sequence(prompt_lengths: list[int]) -> int:
+    """Tokens of the longest long-prompt request, its output included (0: none)."""
+    return max(prompt_lengths) + PREFILL_OUTPUT_TOKENS if prompt_lengths else 0
+
+
+def llama_server_context(slots: int, max_tokens: int, prompt_lengths: list[int]) -> int:
+    """Tokens of llama-server's KV cache (its context, shared by the slots), enough for the longest prompt too."""
+    return max(slots * (PROMPT_TOKENS_PER_SLOT + max_tokens), longest_sequence(prompt_lengths))
+
+
+def vllm_dtype(requested: str, isa: str) -> str:
+    """auto: bfloat16 on a CPU with bf16 hardware (AMX or AVX512-BF16), float32 elsewhere and on AVX2 code paths
+    (each peer at its best dtype on that CPU: issue 44)."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if cpu_has_bf16() and isa == "native" else "float32"
 
 
 def kv_memory_for(gguf: Path, tokens: int, kv_cache_dtype: str) -> int:
@@ -228,13 +346,16 @@ def kv_memory_for(gguf: Path, tokens: int, kv_cache_dtype: str) -> int:
     return tokens * 2 * layers * kv_heads * head_dim * (2 if kv_cache_dtype == "float16" else 4)
 
 
-def measure_ours(args: argparse.Namespace, levels: list[int], model: Path, log_dir: Path) -> Measured:
-    """model: a model directory, or with --gguf the file (its cached preparation removed first: a first start),
-    then with a KV cache of as many tokens as llama-server's."""
-    kv_memory = (kv_memory_for(model, llama_server_context(max(levels), args.max_tokens), args.kv_cache_dtype)
-                 if model.is_file() else 2**30)
+def measure_ours(args: argparse.Namespace, levels: list[int], prompts: LongPrompts | None, model: Path,
+                 log_dir: Path) -> Measured:
+    """model: a model directory (with a 1 GiB KV cache: 23k float32 tokens of the default model), or with --gguf the
+    file (its cached preparation removed first: a first start), then with a KV cache of as many tokens as
+    llama-server's."""
+    slots = max(levels, default=1)
+    kv_memory = (kv_memory_for(model, llama_server_context(slots, args.max_tokens, args.prompt_tokens),
+                               args.kv_cache_dtype) if model.is_file() else 2**30)
     options = ["--weight-format", args.weight_format, "--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs",
-               str(max(levels)), "--kv-cache-memory", str(kv_memory)]
+               str(slots), "--kv-cache-memory", str(kv_memory)]
     measured = Measured(OURS, "this checkout", ["tritonllm", "serve", "--model", str(model), *options], None)
     if model.is_file():
         shutil.rmtree(converted_gguf_dir(model).parent, ignore_errors=True)
@@ -246,44 +367,48 @@ def measure_ours(args: argparse.Namespace, levels: list[int], model: Path, log_d
         measured.ready_s = time.monotonic() - started
         print(f"{OURS}: ready after {measured.ready_s:.0f} s", flush=True)
         try:
-            measure(process.stack.base_url, OURS, levels, args.requests_per_stream, args.max_tokens, measured,
-                    started)
+            measure(process.stack.base_url, OURS, levels, args, prompts, measured, started)
         finally:
             measured.memory = memory.stop()
     return measured
 
 
-def llama_server_peer(binary: Path, gguf: Path, slots: int, max_tokens: int, threads: int) -> Peer:
-    """A GGUF (ours: the default model's own), a slot per stream, continuous batching."""
+def llama_server_peer(binary: Path, gguf: Path, slots: int, max_tokens: int, threads: int,
+                      prompt_lengths: list[int]) -> Peer:
+    """A GGUF (ours: the default model's own), a slot per stream, continuous batching; with long prompts, a unified
+    KV cache (any one slot may take the whole context) and no prompt cache for them."""
     port = free_ports(1)[0]
     command = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "--parallel", str(slots), "--ctx-size", str(llama_server_context(slots, max_tokens)),
-               "--cont-batching", "--threads", str(threads), "--threads-batch", str(threads)]
-    return Peer("llama-server", command, {}, port, [str(binary), "--version"])
+               "--parallel", str(slots), "--ctx-size", str(llama_server_context(slots, max_tokens, prompt_lengths)),
+               "--cont-batching", "--threads", str(threads), "--threads-batch", str(threads),
+               *(["--kv-unified"] if prompt_lengths else [])]
+    return Peer("llama-server", command, {}, port, [str(binary), "--version"], {"cache_prompt": False})
 
 
-def vllm_peer(python: Path, model_dir: Path, threads: int) -> Peer:
-    """The HF-format checkpoint our server loads, in fp32 (vLLM's CPU build torch-compiles it at start). Never
-    with ATEN_CPU_CAPABILITY (which `--isa avx2` sets): with it at avx2, vLLM 0.32 streamed tokens that decode to
-    no text (its own AVX-512 ops beside AVX2 torch), so its torch and inductor code keep their ISA; oneDNN and MKL
-    stay capped."""
+def vllm_peer(python: Path, model_dir: Path, threads: int, dtype: str, prompt_lengths: list[int]) -> Peer:
+    """The HF-format checkpoint our server loads, in `dtype` (see vllm_dtype; vLLM's CPU build torch-compiles it at
+    start), its context long enough for the longest prompt. Never with ATEN_CPU_CAPABILITY (which `--isa avx2`
+    sets): with it at avx2, vLLM 0.32 streamed tokens that decode to no text (its own AVX-512 ops beside AVX2
+    torch), so its torch and inductor code keep their ISA; oneDNN and MKL stay capped."""
     port = free_ports(1)[0]
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", str(VLLM_MAX_MODEL_LEN)]
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+               "--max-model-len", str(max(VLLM_MAX_MODEL_LEN, longest_sequence(prompt_lengths)))]
     env = {"VLLM_CPU_OMP_THREADS_BIND": first_cpus(threads), "VLLM_USE_AOT_COMPILE": "0",
            "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "ATEN_CPU_CAPABILITY": None}
-    return Peer("vllm", command, env, port, [str(python), "-c", "import vllm; print('version', vllm.__version__)"])
+    return Peer("vllm", command, env, port, [str(python), "-c", "import vllm; print('version', vllm.__version__)"],
+                dtype=dtype)
 
 
-def measure_peer(peer: Peer, args: argparse.Namespace, levels: list[int], log_dir: Path) -> Measured:
-    measured = Measured(peer.name, peer_version(peer.version_command), peer.command, None)
+def measure_peer(peer: Peer, args: argparse.Namespace, levels: list[int], prompts: LongPrompts | None,
+                 log_dir: Path) -> Measured:
+    measured = Measured(peer.name, peer_version(peer.version_command), peer.command, None, dtype=peer.dtype)
     memory = PeakMemory()
     with running_peer(peer, log_dir, args.ready_timeout) as child:
         measured.ready_s = time.monotonic() - child.started_at
         try:
-            measure(f"http://127.0.0.1:{peer.port}/v1", peer.name, levels, args.requests_per_stream, args.max_tokens,
-                    measured, child.started_at)
+            measure(f"http://127.0.0.1:{peer.port}/v1", peer.name, levels, args, prompts, measured,
+                    child.started_at, peer.request_extras)
         finally:
             measured.memory = memory.stop()
     return measured
@@ -304,21 +429,45 @@ AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_E
              "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "TRITONLLM_CPU_MARCH": "x86-64-v3"}
 
 
+def server_label(result: Measured) -> str:
+    return f"{result.server} {result.dtype}" if result.dtype else result.server
+
+
 def print_table(results: list[Measured], levels: list[int]) -> None:
-    print(f"\n{'server':<22} {'streams':>7} {'decode tok/s':>13} {'aggregate':>10} {'TTFT p50':>9} "
-          f"{'ITL p50':>8} {'errors':>6}")
+    if levels:
+        print(f"\n{'server':<22} {'streams':>7} {'decode tok/s':>13} {'aggregate':>10} {'TTFT p50':>9} "
+              f"{'ITL p50':>8} {'errors':>6}")
     for n in levels:
         for result in results:
             run = result.runs[n]
-            print(f"{result.server:<22} {n:>7} {run.decode_rate:>13.1f} {run.rate:>10.1f} "
+            print(f"{server_label(result):<22} {n:>7} {run.decode_rate:>13.1f} {run.rate:>10.1f} "
                   f"{median_ms(run.ttft):>7.0f}ms {median_ms(run.itl):>6.1f}ms {run.errors:>6}")
     measured = [result for result in results if result.memory is not None]
     if measured:
         print(f"\n{'server':<22} {'ready':>7} {'1st answer':>10} {'peak RSS':>9}  per process (VmHWM)")
         for result in measured:
             processes = ", ".join(f"{name} {hwm / 2**20:.0f}" for name, hwm in result.memory.by_name().items())
-            print(f"{result.server:<22} {result.ready_s:>6.1f}s {result.first_answer_s:>9.1f}s "
+            print(f"{server_label(result):<22} {result.ready_s:>6.1f}s {result.first_answer_s:>9.1f}s "
                   f"{result.memory.peak_rss / 2**20:>6.0f}MiB  {processes} MiB")
+
+
+def print_prefill_table(results: list[Measured], lengths: list[int]) -> None:
+    print(f"\n{'prompt tokens':>13} {'server':<22} {'TTFT p50':>9} {'TTFT min-max':>15} {'prefill tok/s':>13} "
+          f"{'errors':>6}")
+    for length in lengths:
+        for result in results:
+            prefill = result.prefills[length]
+            spread = f"{min(prefill.ttft):.2f}-{max(prefill.ttft):.2f}s" if prefill.ttft else "-"
+            print(f"{length:>13} {server_label(result):<22} {prefill.ttft_p50:>8.2f}s {spread:>15} "
+                  f"{prefill.rate:>13.0f} {prefill.errors:>6}")
+
+
+def prefill_ratios(results: list[Measured], lengths: list[int]) -> dict[str, dict[int, float]]:
+    """ours / each peer, on median TTFT (below 1: ours is first sooner)."""
+    ours = next(r for r in results if r.server == OURS)
+    return {server_label(other): {length: ours.prefills[length].ttft_p50 / other.prefills[length].ttft_p50
+                                  for length in lengths}
+            for other in results if other is not ours}
 
 
 def ratios(results: list[Measured], levels: list[int]) -> dict[str, dict[int, float]]:
@@ -330,14 +479,17 @@ def ratios(results: list[Measured], levels: list[int]) -> dict[str, dict[int, fl
 
 
 def as_json(result: Measured) -> dict:
-    return {"server": result.server, "version": result.version, "command": result.command,
+    return {"server": result.server, "version": result.version, "dtype": result.dtype, "command": result.command,
             "ready_s": result.ready_s, "first_answer_s": result.first_answer_s,
             "peak_rss_bytes": result.memory and result.memory.peak_rss,
             "process_peak_bytes": result.memory and result.memory.by_name(),
             "runs": {str(n): {"decode_tok_s": run.decode_rate, "aggregate_tok_s": run.rate,
                               "ttft_p50_ms": median_ms(run.ttft), "itl_p50_ms": median_ms(run.itl),
                               "tokens": run.tokens, "seconds": run.seconds, "errors": run.errors}
-                     for n, run in result.runs.items()}}
+                     for n, run in result.runs.items()},
+            "prefills": {str(length): {"ttft_s": prefill.ttft, "ttft_p50_s": prefill.ttft_p50,
+                                       "prefill_tok_s": prefill.rate, "errors": prefill.errors}
+                         for length, prefill in result.prefills.items()}}
 
 
 def main() -> None:
@@ -346,9 +498,13 @@ def main() -> None:
     parser.add_argument("--vllm-python", type=Path, help="the python of a venv with vllm-cpu (setup_peers.sh)")
     parser.add_argument("--in-process", action="store_true", help="also run the engine in this process")
     parser.add_argument("--gguf", type=Path, help="serve this GGUF file (ours and llama-server; no vLLM)")
-    parser.add_argument("--streams", default="1,32", help="concurrent streams, comma-separated")
+    parser.add_argument("--streams", default="1,32", help="concurrent streams, comma-separated (0: no such runs)")
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--prompt-tokens", default="",
+                        help="long-prompt TTFT at these prompt lengths, comma-separated (default: none; see above)")
+    parser.add_argument("--vllm-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="vLLM's --dtype (auto: bfloat16 on bf16 hardware, float32 elsewhere and with --isa avx2)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads for every server (default: torch's, one per physical core)")
     parser.add_argument("--weight-format", default="auto", help="ours: --weight-format")
@@ -365,7 +521,10 @@ def main() -> None:
               **(AVX2_ONLY if args.isa == "avx2" else {})}
     if any(os.environ.get(name) != value for name, value in wanted.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
-    levels = [int(n) for n in args.streams.split(",")]
+    levels = [int(n) for n in args.streams.split(",") if int(n)]
+    args.prompt_tokens = [int(n) for n in args.prompt_tokens.split(",") if n]
+    if not levels and not args.prompt_tokens:
+        raise SystemExit("nothing to measure: --streams 0 and no --prompt-tokens")
     # A plain `kill` ends this run like Ctrl-C: through the `finally` blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # our stack's torch threads (it inherits the environment)
@@ -374,52 +533,72 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     if args.gguf and (args.vllm_python or args.in_process):
         raise SystemExit("--gguf compares ours with llama-server only (no --vllm-python, no --in-process)")
-    model_dir = None if args.gguf else prepare_default_model()
+    if args.in_process and not levels:
+        raise SystemExit("--in-process measures the --streams levels only")
+    default_model_dir = prepare_default_model()  # the tokenizer of the long prompts, vLLM's checkpoint
+    model_dir = None if args.gguf else default_model_dir
+    prompts = long_prompts(args.prompt_tokens, default_model_dir) if args.prompt_tokens else None
     print(f"CPU: {cpu_description()}; code paths: {args.isa}; load average {os.getloadavg()}")
 
-    results = [measure_ours(args, levels, args.gguf.resolve() if args.gguf else model_dir, log_dir)]
+    results = [measure_ours(args, levels, prompts, args.gguf.resolve() if args.gguf else model_dir, log_dir)]
     peers = []  # each built just before it starts, so its port is still free then
     if args.llama_server:
         gguf = args.gguf or default_gguf_path()
-        peers.append(lambda: llama_server_peer(args.llama_server, gguf, max(levels), args.max_tokens, args.threads))
+        peers.append(lambda: llama_server_peer(args.llama_server, gguf, max(levels, default=1), args.max_tokens,
+                                               args.threads, args.prompt_tokens))
     else:
         print("llama-server: skipped (no --llama-server; bench/setup_peers.sh builds one)")
     if args.vllm_python:
-        peers.append(lambda: vllm_peer(args.vllm_python, model_dir, args.threads))
+        dtype = vllm_dtype(args.vllm_dtype, args.isa)
+        peers.append(lambda: vllm_peer(args.vllm_python, model_dir, args.threads, dtype, args.prompt_tokens))
     else:
         print("vllm: skipped (no --vllm-python; bench/setup_peers.sh installs vllm-cpu)")
     failed = {}
     for make_peer in peers:
         peer = make_peer()
         try:
-            results.append(measure_peer(peer, args, levels, log_dir))
+            results.append(measure_peer(peer, args, levels, prompts, log_dir))
         except ServerStartError as error:
             print(f"{peer.name}: did not start, left out: {error}")
             failed[peer.name] = str(error)
     if args.in_process:
         results.append(measure_in_process(args, levels, model_dir))
 
-    print(f"\n{args.max_tokens} tokens per request (EOS ignored), temperature 0.7, streaming; "
-          f"{args.requests_per_stream} requests per stream; {args.threads} threads per server")
+    if levels:
+        print(f"\n{args.max_tokens} tokens per request (EOS ignored), temperature 0.7, streaming; "
+              f"{args.requests_per_stream} requests per stream; {args.threads} threads per server")
     for result in results:
         ready = f", ready after {result.ready_s:.0f} s" if result.ready_s is not None else ""
-        print(f"  {result.server}: {result.version}{ready}" + (f"\n    {' '.join(result.command)}"
-                                                               if result.command else ""))
+        print(f"  {server_label(result)}: {result.version}{ready}" + (f"\n    {' '.join(result.command)}"
+                                                                      if result.command else ""))
     print_table(results, levels)
-    compared = ratios(results, levels)
+    compared = ratios(results, levels) if levels else {}
     if compared:
         print("\nours / peer (1 stream: decode tok/s; more: aggregate tok/s)")
         for other, by_level in compared.items():
             print(f"  {other:<22}" + "".join(f"  {n} stream{'s' if n > 1 else ''} {ratio:.2f}x"
                                              for n, ratio in by_level.items()))
+    prefilled = [result for result in results if result.prefills]  # (not the in-process engine)
+    compared_prefills = prefill_ratios(prefilled, args.prompt_tokens) if prompts else {}
+    if prompts:
+        print(f"\nlong prompts: {PROMPTS_PER_LENGTH} per length, one request at a time, {PREFILL_OUTPUT_TOKENS} "
+              f"output token, token-id prompts; {args.threads} threads per server")
+        print_prefill_table(prefilled, args.prompt_tokens)
+        print("\nours / peer, median TTFT (below 1: ours first sooner)" if compared_prefills else "")
+        for other, by_length in compared_prefills.items():
+            print(f"  {other:<22}" + "".join(f"  {length} tokens {ratio:.2f}x" for length, ratio in by_length.items()))
     print(f"\nload average after: {os.getloadavg()}; logs: {log_dir}")
     if args.json:
         args.json.write_text(json.dumps({
             "cpu": cpu_description(), "isa": args.isa, "max_tokens": args.max_tokens, "streams": levels,
             "requests_per_stream": args.requests_per_stream, "threads": args.threads,
+            "prompt_tokens": args.prompt_tokens, "prompts_per_length": PROMPTS_PER_LENGTH,
+            "vllm_dtype": vllm_dtype(args.vllm_dtype, args.isa) if args.vllm_python else None,
             "results": [as_json(result) for result in results], "failed": failed,
             "ratios_ours_over": {other: {str(n): ratio for n, ratio in by_level.items()}
                                  for other, by_level in compared.items()},
+            "prefill_ttft_ratios_ours_over": {other: {str(length): ratio for length, ratio in by_length.items()}
+                                              for other, by_length in compared_prefills.items()},
         }, indent=2))
 
 
