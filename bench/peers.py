@@ -387,13 +387,15 @@ def llama_server_peer(binary: Path, gguf: Path, slots: int, max_tokens: int, thr
 
 def vllm_peer(python: Path, model_dir: Path, threads: int, dtype: str, prompt_lengths: list[int]) -> Peer:
     """The HF-format checkpoint our server loads, in `dtype` (see vllm_dtype; vLLM's CPU build torch-compiles it at
-    start), its context long enough for the longest prompt. Never with ATEN_CPU_CAPABILITY (which `--isa avx2`
-    sets): with it at avx2, vLLM 0.32 streamed tokens that decode to no text (its own AVX-512 ops beside AVX2
-    torch), so its torch and inductor code keep their ISA; oneDNN and MKL stay capped."""
+    start), its context long enough for the longest prompt, its usage counting cached prompt tokens. Never with
+    ATEN_CPU_CAPABILITY (which `--isa avx2` sets): with it at avx2, vLLM 0.32 streamed tokens that decode to no text
+    (its own AVX-512 ops beside AVX2 torch), so its torch and inductor code keep their ISA; oneDNN and MKL stay
+    capped."""
     port = free_ports(1)[0]
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-               "--max-model-len", str(max(VLLM_MAX_MODEL_LEN, longest_sequence(prompt_lengths)))]
+               "--max-model-len", str(max(VLLM_MAX_MODEL_LEN, longest_sequence(prompt_lengths))),
+               *(["--enable-prompt-tokens-details"] if prompt_lengths else [])]  # usage's cached tokens
     env = {"VLLM_CPU_OMP_THREADS_BIND": first_cpus(threads), "VLLM_USE_AOT_COMPILE": "0",
            "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB), "ATEN_CPU_CAPABILITY": None}
     return Peer("vllm", command, env, port, [str(python), "-c", "import vllm; print('version', vllm.__version__)"],
