@@ -22,8 +22,9 @@ so no server tokenizes: random ordinary tokens, drawn once from a fixed seed, th
 output token, EOS ignored; TTFT is the time to the first streamed choice, prefill tok/s the prompt tokens over the
 median TTFT, and the ratio ours / peer of median TTFT. No prompt shares its first token with another, so no server
 finds a cached prefix (llama-server is also sent `cache_prompt: false`); a request whose usage counts other prompt
-tokens, or any cached, counts as an error. The servers' contexts hold the longest prompt (llama-server's KV is then
-unified: one slot may take the whole context).
+tokens, or does not count cached ones (vLLM is started with --enable-prompt-tokens-details), or counts any, is an
+error. The servers' contexts hold the longest prompt (llama-server's KV is then unified: one slot may take the
+whole context).
 
 `--gguf FILE` compares the servers on a GGUF file a user brings: ours serves it with `tritonllm serve --model FILE`
 (its cache of that file removed first, so the start is a first start) and llama-server the same file; vLLM is left
@@ -109,7 +110,7 @@ class Prefill:
 
     prompt_tokens: int
     ttft: list[float] = field(default_factory=list)  # seconds, of the requests that counted
-    errors: int = 0  # requests that failed, or whose usage counted other prompt tokens, or any cached
+    errors: int = 0  # requests that failed, or whose usage counted other prompt tokens, or any cached (first_token_s)
 
     @property
     def ttft_p50(self) -> float:
@@ -264,7 +265,7 @@ def long_prompts(lengths: list[int], model_dir: Path) -> LongPrompts:
 
 def first_token_s(url: str, model: str, prompt: list[int], extras: dict) -> float:
     """Seconds from sending one streamed completion of `prompt` to its first choice; ValueError when the server's
-    usage counts other prompt tokens than sent, or any of them cached."""
+    usage counts other prompt tokens than sent, or does not say how many were cached, or any was."""
     body = {"model": model, "prompt": prompt, "max_tokens": PREFILL_OUTPUT_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extras}
     first, usage = None, None
@@ -280,8 +281,8 @@ def first_token_s(url: str, model: str, prompt: list[int], extras: dict) -> floa
             usage = chunk.get("usage") or usage
     if first is None or usage is None:
         raise ValueError(f"no choice or no usage streamed (usage {usage})")
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    if usage["prompt_tokens"] != len(prompt) or cached:
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if usage["prompt_tokens"] != len(prompt) or cached != 0:
         raise ValueError(f"sent {len(prompt)} prompt tokens, usage: {usage}")
     return first
 
