@@ -27,10 +27,11 @@ error. The servers' contexts hold the longest prompt (llama-server's KV is then 
 whole context).
 
 `--gguf FILE` compares the servers on a GGUF file a user brings: ours serves it with `tritonllm serve --model FILE`
-(its cache of that file removed first, so the start is a first start) and llama-server the same file; vLLM is left
-out. Each server's start (to /health, and to its first answered request) and its peak memory are reported too: the
-peak over the run of its processes' summed resident set (sampled every 0.2 s; ours: `tritonllm serve`, tritonserver,
-the Python-backend stub and its watchdog, the adapter), and each process's own peak (VmHWM) by name.
+(its cache of that file removed first, so the start is a first start) and llama-server the same file; vLLM and
+`--prompt-tokens` are left out. Each server's start (to /health, and to its first answered request) and its peak
+memory are reported too: the peak over the run of its processes' summed resident set (sampled every 0.2 s; ours:
+`tritonllm serve`, tritonserver, the Python-backend stub and its watchdog, the adapter), and each process's own peak
+(VmHWM) by name.
 
 `--isa avx2` runs everything on the code paths of a CPU with AVX2/FMA but no AVX-512 (most 2-core cloud boxes) on a
 CPU that has more: torch's own kernels, oneDNN, MKL and fbgemm are capped at AVX2 by their environment variables,
@@ -110,7 +111,7 @@ class Prefill:
 
     prompt_tokens: int
     ttft: list[float] = field(default_factory=list)  # seconds, of the requests that counted
-    errors: int = 0  # requests that failed, or whose usage counted other prompt tokens, or any cached (first_token_s)
+    errors: int = 0  # requests that failed, or whose usage did not count what was sent (see first_token_s)
 
     @property
     def ttft_p50(self) -> float:
@@ -534,13 +535,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tritonllm-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    if args.gguf and (args.vllm_python or args.in_process):
-        raise SystemExit("--gguf compares ours with llama-server only (no --vllm-python, no --in-process)")
+    if args.gguf and (args.vllm_python or args.in_process or args.prompt_tokens):
+        raise SystemExit("--gguf compares ours with llama-server only (no --vllm-python, no --in-process), on "
+                         "streams (no --prompt-tokens: their token ids are the default model's)")
     if args.in_process and not levels:
         raise SystemExit("--in-process measures the --streams levels only")
-    default_model_dir = prepare_default_model()  # the tokenizer of the long prompts, vLLM's checkpoint
-    model_dir = None if args.gguf else default_model_dir
-    prompts = long_prompts(args.prompt_tokens, default_model_dir) if args.prompt_tokens else None
+    model_dir = None if args.gguf else prepare_default_model()
+    prompts = long_prompts(args.prompt_tokens, model_dir) if args.prompt_tokens else None
     print(f"CPU: {cpu_description()}; code paths: {args.isa}; load average {os.getloadavg()}")
 
     results = [measure_ours(args, levels, prompts, args.gguf.resolve() if args.gguf else model_dir, log_dir)]
