@@ -64,31 +64,62 @@ static inline __m512 load_row(const void *cache, int64_t element, int half) {
     return _mm512_loadu_ps((const float *)cache + element);
 }
 
+/* r[i] = column i of the 16 x 16 floats in r (unpacks of lanes, pairs, then 128-bit quarters, twice) */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
+        r[4 * i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
+        r[4 * i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
+        r[4 * i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
 /* Keys key0 .. key0 + AMX_KEYS - 1 of kv head g as one block of left operands, each 16 rows of 64 bytes in a row
  * (zeros from `context` on): K as [16-key group][half of the head][16 keys][32 dims], then V^T as
- * [32-key half][64 dims][32 keys]. */
+ * [32-key half][64 dims][32 keys], transposed 16 keys by 16 dims at a time. */
 static void copy_key_block(const void *k_cache, const void *v_cache, const int64_t *table, int64_t block_size,
                            int64_t kv_heads, int64_t g, int64_t key0, int64_t context, uint16_t *block, int half) {
-    uint16_t values[AMX_KEYS][AMX_HEAD] __attribute__((aligned(64)));
     uint16_t *v_columns = block + AMX_KEYS * AMX_HEAD;
-    for (int64_t k = 0; k < AMX_KEYS; k++) {
-        const int64_t key = key0 + k;
-        uint16_t *k_row = block + (k / 16 * 2 * 16 + k % 16) * 32; /* its first half; the second 16 rows on */
-        if (key >= context) {
-            memset(k_row, 0, 64);
-            memset(k_row + 16 * 32, 0, 64);
-            memset(values[k], 0, AMX_HEAD * 2);
-            continue;
+    for (int64_t k0 = 0; k0 < AMX_KEYS; k0 += 16) {
+        int64_t element[16];
+        for (int64_t k = k0; k < k0 + 16; k++) {
+            const int64_t key = key0 + k;
+            uint16_t *k_row = block + (k / 16 * 2 * 16 + k % 16) * 32; /* its first half; the second 16 rows on */
+            element[k - k0] = -1;
+            if (key >= context) {
+                memset(k_row, 0, 64);
+                memset(k_row + 16 * 32, 0, 64);
+                continue;
+            }
+            element[k - k0] = ((table[key / block_size] * block_size + key % block_size) * kv_heads + g) * AMX_HEAD;
+            for (int d = 0; d < AMX_HEAD; d += 16)
+                _mm256_storeu_si256((__m256i *)(k_row + d / 32 * 16 * 32 + d % 32),
+                                    to_bf16(load_row(k_cache, element[k - k0] + d, half)));
         }
-        const int64_t element = ((table[key / block_size] * block_size + key % block_size) * kv_heads + g) * AMX_HEAD;
-        for (int d = 0; d < AMX_HEAD; d += 16) {
-            _mm256_storeu_si256((__m256i *)(k_row + d / 32 * 16 * 32 + d % 32),
-                                to_bf16(load_row(k_cache, element + d, half)));
-            _mm256_store_si256((__m256i *)(values[k] + d), to_bf16(load_row(v_cache, element + d, half)));
+        for (int d0 = 0; d0 < AMX_HEAD; d0 += 16) {
+            __m512 rows[16];
+            for (int i = 0; i < 16; i++)
+                rows[i] = element[i] < 0 ? _mm512_setzero_ps() : load_row(v_cache, element[i] + d0, half);
+            transpose16(rows);
+            for (int d = 0; d < 16; d++)
+                _mm256_storeu_si256((__m256i *)(v_columns + (k0 / 32 * AMX_HEAD + d0 + d) * 32 + k0 % 32),
+                                    to_bf16(rows[d]));
         }
     }
-    for (int k = 0; k < AMX_KEYS; k++)
-        for (int d = 0; d < AMX_HEAD; d++) v_columns[(k / 32 * AMX_HEAD + d) * 32 + k % 32] = values[k][d];
 }
 
 /* The right operand of Q^T: [32 dims as 16 pairs][16 queries][2], for dims 32 * half_ .. + 31 */
