@@ -19,7 +19,7 @@ from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.kernels.prefill_attention import prefill_attention_reference
 from tritonllm.kernels import cpu
-from tritonllm.kernels.prefill_attention_bf16 import prefill_attention_flash, warm_up
+from tritonllm.kernels.prefill_attention_bf16 import prefill_attention_bf16, prefill_attention_flash, warm_up
 from tritonllm.model_files import cpu_ops_dir
 from engine_helpers import assert_idle, generate, prefill_logits
 
@@ -98,6 +98,18 @@ def test_the_amx_kernel_reads_a_float16_cache_and_batched_chunks_as_one_at_a_tim
     expected = prefill_attention_reference(q[:450], k_cache, v_cache, starts, lens, contexts, tables,
                                            HEAD_DIM ** -0.5)
     assert (both - expected).abs().max().item() < 0.03
+
+
+def test_other_head_sizes_take_the_flash_path():
+    """The AMX kernel is written for head size 64; at 128 (Qwen3, Llama-3-8B) it declines and the op runs flash."""
+    generator = torch.Generator().manual_seed(2)
+    k_cache, v_cache = (torch.randn(8, BLOCK_SIZE, 2, 128, generator=generator) for _ in range(2))
+    q, table = torch.randn(100, 4, 128, generator=generator), torch.arange(8).view(1, -1)
+    args = (q, k_cache, v_cache, torch.tensor([0]), torch.tensor([100]), torch.tensor([100]), table, 128 ** -0.5)
+    assert cpu.load(cpu_ops_dir())
+    assert cpu.prefill_attention_amx(*args) is None
+    assert torch.equal(prefill_attention_bf16(*args), prefill_attention_flash(*args))
+    assert (prefill_attention_bf16(*args) - prefill_attention_reference(*args)).abs().max().item() < 0.03
 
 
 @pytest.fixture(scope="module")
