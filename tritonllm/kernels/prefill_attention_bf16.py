@@ -5,15 +5,14 @@ the paged cache. Same inputs and meaning as prefill_attention_reference; either 
 depend on how its prompt was cut into chunks or on what else ran in the step. An 8,000-token prompt of the default
 model (2 threads, Xeon with AMX) spent 2.9 s in the AMX kernel against 4.5 s in the flash path.
 
-The flash path: a chunk can start anywhere, and the flash kernel's online
-softmax sums in an order set by where its keys start and how many there are; so that a position's result does not
-depend on how its prompt was cut into chunks (or on what else ran in the step), every position attends in two fixed
-calls: to the whole segments of SEGMENT keys before its own (keys from 0, a multiple of SEGMENT of them) and to its own
-segment under a causal mask (SEGMENT keys, zeros past the context), merged by their log-sum-exps. The kernel sums
-a query row alike in any whole tile of 32 or 64 rows, but otherwise in a tail tile of a few rows or alone, so each
-call's rows start at a multiple of ROW_TILE in the segment and are a multiple of it (zero rows before the chunk's
-first query and after its last).
-With two threads the kernel's first calls in a process were seen to give other bits than every later call (1 to 6
+The flash path: a chunk can start anywhere, and the flash kernel's online softmax sums in an order set by where its
+keys start and how many there are; so that a position's result does not depend on how its prompt was cut into chunks
+(or on what else ran in the step), every position attends in two fixed calls: to the whole segments of SEGMENT keys
+before its own (keys from 0, a multiple of SEGMENT of them) and to its own segment under a causal mask (SEGMENT
+keys, zeros past the context), merged by their log-sum-exps. The kernel sums a query row alike in any whole tile of
+32 or 64 rows, but otherwise in a tail tile of a few rows or alone, so each call's rows start at a multiple of
+ROW_TILE in the segment and are a multiple of it (zero rows before the chunk's first query and after its last). With
+two threads the kernel's first calls in a process were seen to give other bits than every later call (1 to 6
 processes in 10), never after `warm_up` had run the same calls."""
 
 from __future__ import annotations

@@ -326,11 +326,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _prefill_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
                        query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                        scale: float) -> tuple | None:
-    """The prefill attention ops' arguments but their output, or None where the C ops do not take these tensors."""
+    """The prefill attention ops' arguments but their output (pointers, the tensors they point into, to keep alive
+    through the call, and whether the cache is float16), or None where the C ops do not take these tensors."""
     half = _half(k_cache, v_cache)
     if not (_rows(q) and half is not None):
         return None
-    rows, heads, head_dim = q.shape
+    heads, head_dim = q.shape[1:]
     tables = _table(block_tables.to(torch.int64))
     starts, lens, contexts = (t.to(torch.int32).contiguous() for t in (query_starts, query_lens, context_lens))
     return (q.data_ptr(), q.stride(0), len(starts), starts.data_ptr(), lens.data_ptr(), contexts.data_ptr(), heads,
