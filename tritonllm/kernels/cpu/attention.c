@@ -10,15 +10,6 @@ static inline const void *cache_row(const void *cache, int64_t element, int half
     return (const char *)cache + element * (half ? 2 : 4);
 }
 
-static inline vf load_cached(const void *row, int64_t i, int half) {
-    if (!half) return load((const float *)row + i);
-#if VLEN == 16
-    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
-#else
-    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-#endif
-}
-
 static inline float cached(const void *row, int64_t i, int half) {
     return half ? _cvtsh_ss(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }

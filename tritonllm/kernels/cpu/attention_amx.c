@@ -58,12 +58,6 @@ static inline __m512 exp2_lanes(__m512 x) {
 
 static inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
-/* 16 floats of a cache row (float32, or float16 when `half`) */
-static inline __m512 load_row(const void *cache, int64_t element, int half) {
-    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + element)));
-    return _mm512_loadu_ps((const float *)cache + element);
-}
-
 /* r[i] = column i of the 16 x 16 floats in r (unpacks of lanes, pairs, then 128-bit quarters, twice) */
 static inline void transpose16(__m512 r[16]) {
     __m512 t[16];
@@ -108,12 +102,12 @@ static void copy_key_block(const void *k_cache, const void *v_cache, const int64
             element[k - k0] = ((table[key / block_size] * block_size + key % block_size) * kv_heads + g) * AMX_HEAD;
             for (int d = 0; d < AMX_HEAD; d += 16)
                 _mm256_storeu_si256((__m256i *)(k_row + d / 32 * 16 * 32 + d % 32),
-                                    to_bf16(load_row(k_cache, element[k - k0] + d, half)));
+                                    to_bf16((__m512)load_cached(k_cache, element[k - k0] + d, half)));
         }
         for (int d0 = 0; d0 < AMX_HEAD; d0 += 16) {
             __m512 rows[16];
             for (int i = 0; i < 16; i++)
-                rows[i] = element[i] < 0 ? _mm512_setzero_ps() : load_row(v_cache, element[i] + d0, half);
+                rows[i] = element[i] < 0 ? _mm512_setzero_ps() : (__m512)load_cached(v_cache, element[i] + d0, half);
             transpose16(rows);
             for (int d = 0; d < 16; d++)
                 _mm256_storeu_si256((__m256i *)(v_columns + (k0 / 32 * AMX_HEAD + d0 + d) * 32 + k0 % 32),
@@ -194,9 +188,10 @@ static void attend_tile(const float *q, int64_t q_stride, int64_t count, int64_t
             __m512 p0 = exp2_lanes(_mm512_sub_ps(_mm512_load_ps(scores[k]), maximum));
             __m512 p1 = exp2_lanes(_mm512_sub_ps(_mm512_load_ps(scores[k + 1]), maximum));
             if (masked) {
-                p0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32((int32_t)(key0 + k))), p0);
-                p1 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32((int32_t)(key0 + k + 1))),
-                                         p1);
+                p0 = _mm512_maskz_mov_ps(
+                    _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32((int32_t)(key0 + k))), p0);
+                p1 = _mm512_maskz_mov_ps(
+                    _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32((int32_t)(key0 + k + 1))), p1);
             }
             total = _mm512_add_ps(_mm512_add_ps(total, p0), p1);
             const __m512i pair = _mm512_permutex2var_epi16(_mm512_castsi256_si512(to_bf16(p0)), interleave,
@@ -208,7 +203,8 @@ static void attend_tile(const float *q, int64_t q_stride, int64_t count, int64_t
             _tile_stored(5, output[16], 64);
             _tile_stored(6, output[32], 64);
             _tile_stored(7, output[48], 64);
-            for (int d = 0; d < AMX_HEAD; d++) _mm512_store_ps(output[d], _mm512_mul_ps(_mm512_load_ps(output[d]), rescale));
+            for (int d = 0; d < AMX_HEAD; d++)
+                _mm512_store_ps(output[d], _mm512_mul_ps(_mm512_load_ps(output[d]), rescale));
             _tile_loadd(4, output[0], 64);
             _tile_loadd(5, output[16], 64);
             _tile_loadd(6, output[32], 64);

@@ -9,8 +9,8 @@
  *
  * One file a concept: quant_matmul.c (projections over quantized blocks, fp32 or int8 activations), attention.c
  * (paged attention), attention_amx.c (bf16 prompts' prefill attention on AMX tiles), elementwise.c (norms, rotary,
- * KV store, SiLU), sampler.c (the draw), llama_decode.c (those ops over a whole decode step). This header declares what Python calls (kernels/cpu/__init__.py's SIGNATURES) and
- * what one file calls of another. */
+ * KV store, SiLU), sampler.c (the draw), llama_decode.c (those ops over a whole decode step). This header declares
+ * what Python calls (kernels/cpu/__init__.py's SIGNATURES) and what one file calls of another. */
 
 #pragma once
 

@@ -44,6 +44,16 @@ static inline vf splat(float x) { /* a broadcast ((vf){0} + x costs an add: 0 + 
 #endif
 }
 
+/* VLEN elements of a KV cache row from element i: float32, or float16 when `half` (see attention.c) */
+static inline vf load_cached(const void *row, int64_t i, int half) {
+    if (!half) return load((const float *)row + i);
+#if VLEN == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+#else
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+#endif
+}
+
 /* A vector's lanes summed as a tree (halves added, then their halves...): a fixed order, in a few shuffles. */
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
