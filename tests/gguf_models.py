@@ -16,13 +16,14 @@ SHAPE = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2, vocab=
 # those are sane numbers
 _SCALES = {Type.Q4_0: [(0, 0.01)], Type.Q4_1: [(0, 0.005), (2, -0.04)], Type.Q4_K: [(0, 2e-4), (2, 1e-4)],
            Type.Q6_K: [(208, 2e-5)], Type.Q5_K: [(0, 1e-4), (2, 1e-4)], Type.Q5_0: [(0, 0.005)],
-           Type.Q5_1: [(0, 0.003), (2, -0.05)]}
-# (layer, GGUF name) → type; every covered type, a mixed qkv (Q4_K + Q6_K) and an uncovered down projection (Q5_K)
+           Type.Q5_1: [(0, 0.003), (2, -0.05)], Type.Q3_K: [(108, 1e-4)]}
+# (layer, GGUF name) → type; every covered type, fused projections of mixed kinds (a gate_up of Q4_1 + Q5_1, a qkv
+# of Q4_K + Q5_K + Q6_K) and an uncovered down projection (Q3_K)
 MIXED_TYPES = {
     (0, "attn_q"): Type.Q4_K, (0, "attn_k"): Type.Q4_K, (0, "attn_v"): Type.Q4_K, (0, "attn_output"): Type.Q4_0,
-    (0, "ffn_gate"): Type.Q4_1, (0, "ffn_up"): Type.Q4_1, (0, "ffn_down"): Type.Q8_0,
-    (1, "attn_q"): Type.Q4_K, (1, "attn_k"): Type.Q4_K, (1, "attn_v"): Type.Q6_K, (1, "attn_output"): Type.Q5_0,
-    (1, "ffn_gate"): Type.Q6_K, (1, "ffn_up"): Type.Q6_K, (1, "ffn_down"): Type.Q5_K,
+    (0, "ffn_gate"): Type.Q4_1, (0, "ffn_up"): Type.Q5_1, (0, "ffn_down"): Type.Q8_0,
+    (1, "attn_q"): Type.Q4_K, (1, "attn_k"): Type.Q5_K, (1, "attn_v"): Type.Q6_K, (1, "attn_output"): Type.Q5_0,
+    (1, "ffn_gate"): Type.Q6_K, (1, "ffn_up"): Type.Q6_K, (1, "ffn_down"): Type.Q3_K,
 }
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 

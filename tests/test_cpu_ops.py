@@ -4,6 +4,7 @@ AVX-512 CPU, the AVX2 build (what most small cloud boxes run) passes the same te
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -62,6 +63,34 @@ def test_q4_matmul_rows_do_not_depend_on_the_batch():
     for size in (1, 2, 3, 4, 9):
         for start in range(0, len(x) - size + 1, 7):
             assert torch.equal(cpu.q4_matmul(x[start:start + size], packed), together[start:start + size])
+
+
+def _q5_1(rows: int, width: int):
+    """Random int5 blocks (as a GGUF's Q5_K: d an fp16 times a 6-bit scale, m minus another) as q5_1_matmul's, and
+    the float32 weights they stand for (w = d·q + m per block of 32, q in 0..31)."""
+    q = torch.randint(0, 32, (rows, width), dtype=torch.uint8)
+    d = (torch.rand(rows, width // 32) * 1e-3).half().float() * torch.randint(0, 64, (rows, width // 32))
+    m = -(torch.rand(rows, width // 32) * 1e-3).half().float() * torch.randint(0, 64, (rows, width // 32))
+    return cpu.pack_q5_1(q, d, m), d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
+
+
+@pytest.mark.parametrize("rows, width", [(4, 32), (7, 96), (577, 576)])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_q5_1_matmul_is_the_dequantized_weights_in_float32(rows, width, tokens):
+    packed, dense = _q5_1(rows, width)
+    assert packed.shape == (rows, width // 32, 28)
+    x = torch.randn(tokens, width)
+    torch.testing.assert_close(cpu.q5_1_matmul(x, packed), x @ dense.T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cpu.q5_1_matmul(torch.eye(width), packed).T, dense)  # each weight read back, to the bit
+
+
+def test_q5_1_matmul_rows_do_not_depend_on_the_batch():
+    packed, _ = _q5_1(131, 576)
+    x = torch.randn(37, 576)
+    together = cpu.q5_1_matmul(x, packed)
+    for size in (1, 3, 9):
+        for start in range(0, len(x) - size + 1, 7):
+            assert torch.equal(cpu.q5_1_matmul(x[start:start + size], packed), together[start:start + size])
 
 
 def _q8(rows: int, width: int) -> torch.Tensor:
@@ -198,15 +227,20 @@ def test_only_weights_that_are_q8_0_blocks_to_the_bit_are_packed_as_q8_0():
 
 def test_the_default_models_int4_lm_head_runs_as_its_q8_0_blocks(default_model_dir):
     """The GGUF's tied embedding is Q8_0: the int4 format's LM head is those blocks, and gives the float32 head's
-    logits (to float32 rounding)."""
+    logits (to float32 rounding); the embedding is looked up in them, to the converted checkpoint's bits."""
+    from safetensors import safe_open
+
     from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.layers.embedding import BlockEmbedding
     from tritonllm.engine.layers.linear import Q8Projection
     from tritonllm.engine.llm_engine import LLMEngine
 
     model = LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format="int4",
                                    kv_cache_memory=16 << 20)).core.runner.model
-    assert isinstance(model.lm_head, Q8Projection)
-    tied = model.embed_tokens.weight
+    assert isinstance(model.lm_head, Q8Projection) and isinstance(model.embed_tokens, BlockEmbedding)
+    with safe_open(str(default_model_dir / "model.safetensors"), framework="pt") as checkpoint:
+        tied = checkpoint.get_tensor("model.embed_tokens.weight").float()
+    assert torch.equal(model.embed_tokens(torch.arange(len(tied))), tied)
     hidden = torch.randn(3, tied.shape[1])
     torch.testing.assert_close(model.lm_head(hidden), hidden @ tied.float().T, atol=1e-4, rtol=1e-4)
 
@@ -423,6 +457,50 @@ def test_sample_tokens_follow_the_distribution_and_rows_do_not_depend_on_the_bat
         alone = cpu.sample_tokens(wide[row:row + 1], wide[row:row + 1], inverse_temperatures[row:row + 1],
                                   uniforms[row:row + 1])
         assert alone[0].item() == together[0][row].item() and torch.equal(alone[1], together[1][row:row + 1])
+
+
+def test_the_bindings_refuse_tensors_the_c_would_misread():
+    """The C ops read raw memory: a wrong dtype, shape, device or layout raises in Python before any is read."""
+    packed, _ = _q4(8, 64)
+    x = torch.randn(3, 64)
+    misread = [lambda: cpu.q4_matmul(x.double(), packed), lambda: cpu.q4_matmul(x.to(torch.bfloat16), packed),
+               lambda: cpu.q4_matmul(torch.randn(3, 96), packed),  # more inputs than the weights have
+               lambda: cpu.q4_matmul(torch.randn(3, 48), packed),  # not whole blocks
+               lambda: cpu.q4_matmul(x[:, None], packed),
+               lambda: cpu.q8_matmul(x, packed),  # int4 blocks read as Q8_0 ones
+               lambda: cpu.q4_matmul(x, torch.cat([packed, packed], dim=-1)[..., :24]),  # strided weights
+               lambda: cpu.q4_q8_matmul(x, cpu.pack_q4_rows(*_q4_parts(8, 64)), 40),  # rows it does not hold
+               lambda: cpu.rms_norm(x, torch.ones(32), 1e-6),
+               lambda: cpu.rms_norm(x, torch.ones(64), 1e-6, residual=torch.randn(2, 64)),
+               lambda: cpu.silu_and_mul(x.half()),
+               lambda: cpu.sample_tokens(x, x, torch.ones(3), torch.rand(2)),
+               lambda: cpu.paged_decode_attention(torch.randn(2, 4, 64), torch.zeros(4, 16, 2, 32),
+                                                  torch.zeros(4, 16, 2, 32), torch.zeros(2, 4, dtype=torch.int64),
+                                                  torch.ones(2, dtype=torch.int32), 0.1)]
+    for call in misread:
+        with pytest.raises(ValueError):
+            call()
+
+
+def _q4_parts(rows: int, width: int):
+    q = torch.randint(0, 16, (rows, width), dtype=torch.uint8)
+    return q, torch.rand(rows, width // 32), torch.rand(rows, width // 32)
+
+
+def test_a_cpu_they_are_not_written_for_runs_the_references_with_one_log_line(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "aarch64")
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        assert cpu.build(tmp_path) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "the CPU ops are x86 code (AVX2 and AVX-512 intrinsics): on this aarch64 CPU the torch reference ops run "
+        "(slower)"]
+    caplog.clear()
+    monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 avx")  # an x86 CPU before AVX2
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        assert cpu.build(tmp_path) is None
+    assert len(caplog.records) == 1 and "AVX2 and FMA" in caplog.records[0].getMessage()
+    assert not list(tmp_path.iterdir())  # no compiler was run
 
 
 def _rerun_for(march: str, selection: str = "") -> None:

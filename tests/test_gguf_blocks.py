@@ -1,5 +1,6 @@
-"""GGUF files run on their own blocks: Q4_0, Q4_1 and Q4_K repacked exactly onto the int4 kernels, Q8_0 and Q5_0
-as stored on kernels of their own (Q5_0 as Q8_0 for int8 activations), Q6_K on a kernel of its own, for llama and qwen3 files; what the kernels compute
+"""GGUF files run on their own blocks: Q4_0, Q4_1 and Q4_K repacked exactly onto the int4 kernels, Q5_1 and Q5_K
+onto the int5 one, Q8_0 and Q5_0 as stored on kernels of their own (Q5_0 as Q8_0 for int8 activations), Q6_K on a
+kernel of its own, for llama and qwen3 files; what the kernels compute
 is `gguf.quants.dequantize`'s weights to the bit; a type without a kernel runs dequantized, said once in the log;
 the engine's logits are the dense model's. A file is read as it is, without a dense copy on disk or in memory,
 to the same logits as its dense conversion with the blocks beside it."""
@@ -21,7 +22,8 @@ from tritonllm.engine.layers import linear
 from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.engine.models import registry
 from tritonllm.engine.models import weights as weights_module
-from tritonllm.gguf_blocks import COVERED_TYPES, Int4Blocks, Q5Blocks, Q8Blocks, kernel_blocks
+from tritonllm import gguf_blocks
+from tritonllm.gguf_blocks import COVERED_TYPES, Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, kernel_blocks
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.model_files import GGUF_LINK, convert_gguf, cpu_ops_dir
@@ -47,6 +49,8 @@ def test_the_kernels_compute_with_ggufs_own_dequantized_weights(qtype):
     assert cpu_ops.load(cpu_ops_dir())
     if isinstance(blocks, Int4Blocks):
         weight, kind = linear.Q4Weight(*(torch.from_numpy(t) for t in (blocks.q, blocks.d, blocks.m))), "Q4"
+    elif isinstance(blocks, Int5Blocks):
+        weight, kind = linear.Int5Weight(*(torch.from_numpy(t) for t in (blocks.q, blocks.d, blocks.m))), "Int5"
     elif isinstance(blocks, Q8Blocks):
         weight, kind = linear.Q8Weight(torch.from_numpy(blocks.blocks)), "Q8"
     elif isinstance(blocks, Q5Blocks):
@@ -80,15 +84,30 @@ def test_q4_k_sub_blocks_are_scale_and_min():
 
 def test_a_type_without_kernel_or_inexact_blocks_is_refused():
     rng = np.random.default_rng(3)
-    assert kernel_blocks(random_blocks(Type.Q5_K, ROWS, WIDTH, rng), Type.Q5_K, ROWS) is None
+    assert kernel_blocks(random_blocks(Type.Q3_K, ROWS, WIDTH, rng), Type.Q3_K, ROWS) is None
     raw = random_blocks(Type.Q4_0, ROWS, WIDTH, rng)
     raw.reshape(ROWS, -1, 18)[0, 0, :2] = np.array([np.inf], np.float16).view(np.uint8)  # d · q − 8d: inf − inf
     assert kernel_blocks(raw, Type.Q4_0, ROWS) is None
 
 
+def test_the_check_runs_row_chunk_by_row_chunk_with_the_rows_reordered(monkeypatch):
+    """The check dequantizes a few rows at a time (a large embedding is never dense in memory): a bad block in a
+    later chunk (our row 21, the file's row 2) is still found, and reordered rows (llama's q/k) are checked against
+    their own rows of the file."""
+    monkeypatch.setattr(gguf_blocks, "CHECK_ROWS", 5)
+    rng = np.random.default_rng(4)
+    raw = random_blocks(Type.Q4_K, ROWS, WIDTH, rng)
+    reverse = lambda x: x[::-1]  # noqa: E731
+    blocks = kernel_blocks(raw, Type.Q4_K, ROWS, reverse)
+    assert np.array_equal(blocks.dequantize(), quants.dequantize(raw, Type.Q4_K).reshape(ROWS, WIDTH)[::-1])
+    raw.reshape(ROWS, -1, 144)[2, 1, :2] = np.array([np.inf], np.float16).view(np.uint8)
+    assert kernel_blocks(raw, Type.Q4_K, ROWS, reverse) is None
+
+
 # llama: every type covered (Q6_K down in layer 1, an untied Q6_K head): it decodes in one call of the CPU ops;
-# qwen3: a Q5_K down projection, which has no kernel (and q/k norms: it decodes op by op), its tied Q8_0 embedding
-TYPES = {"llama": {**MIXED_TYPES, (1, "ffn_down"): Type.Q6_K}, "qwen3": MIXED_TYPES}
+# qwen3: Q3_K, which has no kernel, in a down projection and beside Q6_K in a gate_up (and q/k norms: it decodes op
+# by op), its tied Q8_0 embedding
+TYPES = {"llama": {**MIXED_TYPES, (1, "ffn_down"): Type.Q6_K}, "qwen3": {**MIXED_TYPES, (1, "ffn_up"): Type.Q3_K}}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -123,8 +142,8 @@ def test_a_gguf_is_prepared_without_a_dense_copy(gguf_model_dir):
 
 
 def test_a_gguf_loads_as_its_blocks_alone(gguf_model_dir):
-    """Every projection and head the kernels run from blocks has no dense weight in memory (a meta tensor): what
-    is dense is the embedding (looked up), the norms and a type without a kernel (qwen3's Q5_K down)."""
+    """Every projection, head and embedding the kernels run from blocks has no dense weight in memory (a meta
+    tensor): what is dense is the norms and what has a type without a kernel (qwen3's Q3_K down and gate_up)."""
     model, blocks = registry.load_for_cpu(gguf_model_dir)
     arch, dense = model.arch, []
     for i in range(arch.num_layers):
@@ -132,12 +151,21 @@ def test_a_gguf_loads_as_its_blocks_alone(gguf_model_dir):
             if not getattr(owner, name).weight.is_meta:
                 dense.append((i, name))
                 assert block is None or isinstance(block, linear.MixedWeight) and None in block.parts
-    assert dense == ([] if not arch.qk_norm else [(1, "down_proj")])  # qwen3's Q5_K down
+    assert dense == ([] if not arch.qk_norm else [(1, "gate_up_proj"), (1, "down_proj")])  # qwen3's Q3_K
     assert model.lm_head is None or model.lm_head.weight.is_meta  # llama's untied Q6_K head
     projections = {id(getattr(owner, name).weight) for i in range(arch.num_layers)
                    for owner, name in model._projections(i)}
+    assert model.embed_tokens.weight.is_meta  # its blocks (Q8_0)
     rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in projections and not p.is_meta)
-    assert arch.vocab_size * arch.hidden_size * 4 <= rest < arch.vocab_size * arch.hidden_size * 4 + (64 << 10)
+    assert rest < 64 << 10  # the norms
+
+
+def test_the_embedding_is_looked_up_in_its_blocks(gguf_model_dir, dense_model):
+    """Served from its blocks, the embedding's rows are the file's dequantized rows, to the bit, with no dense copy."""
+    model, _ = load_model(EngineConfig(weight_format="int4"), gguf_model_dir, torch.device("cpu"))
+    assert model.embed_tokens.weight.is_meta and not any(p.is_meta for p in model.parameters())
+    ids = torch.tensor([0, 5, 49151, 5, 1234])
+    assert torch.equal(model.embed_tokens(ids), dense_model.embed_tokens(ids))
 
 
 @pytest.mark.parametrize("weight_format", ["auto", "int4"])
@@ -183,7 +211,7 @@ def test_auto_may_pick_the_blocks_and_keeps_greedy_output(gguf_model_dir):
 @pytest.mark.parametrize("gguf_model_dir", ["llama"], indirect=True)  # qwen3's q/k norms: op by op
 @pytest.mark.parametrize("weight_format", ["int4", "int4-q8"])
 def test_a_decode_step_in_one_call_runs_every_kind_of_part(gguf_model_dir, weight_format):
-    """llama_decode over int4, Q8_0 and Q6_K parts (a qkv of two kinds): the same hidden states as op by op, to
+    """llama_decode over every kind of part (a qkv of three kinds): the same hidden states as op by op, to
     the bit, for a batch of sequences at different lengths."""
     engines = [LLMEngine(EngineConfig(model_path=str(gguf_model_dir), weight_format=weight_format,
                                       kv_cache_memory=16 << 20)) for _ in range(2)]

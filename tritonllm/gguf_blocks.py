@@ -9,6 +9,9 @@ codes q and fp32 d, m. Three GGUF types are exactly that shape:
   d' = fl32(d · sc) and m' = −fl32(dmin · mn) (as gguf computes them) give d' · q + m', the same single rounding
   of an exact product (d' has at most 17 significant bits, q 4).
 
+The int5 kernel computes the same with 5-bit codes, and two GGUF types are exactly its shape: Q5_1 (w = d · q + m,
+fp16 d, m widened) and Q5_K (Q4_K's sub-blocks with a fifth bit: d' · q + m' as above, d' · q still exact, 22 bits).
+
 Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are, and so do
 Q5_0's (fp16 d, the 32 codes' fifth bits, their low nibbles: w = d · (q − 16)), the Q5_0 kernel's (for the integer
 kernels, with int8 activations, they are repacked as Q8_0 blocks of codes q − 16: the same numbers).
@@ -31,16 +34,18 @@ from gguf import quants
 
 BLOCK = 32  # the kernels' block of inputs
 INT4_TYPES = (Type.Q4_0, Type.Q4_1, Type.Q4_K)
+INT5_TYPES = (Type.Q5_1, Type.Q5_K)
 Q8_TYPES = (Type.Q8_0,)
 Q5_TYPES = (Type.Q5_0,)
 Q6_TYPES = (Type.Q6_K,)
-COVERED_TYPES = INT4_TYPES + Q8_TYPES + Q5_TYPES + Q6_TYPES
+COVERED_TYPES = INT4_TYPES + INT5_TYPES + Q8_TYPES + Q5_TYPES + Q6_TYPES
 Q6_GROUP = 16  # Q6_K's sub-block: one scale per 16 weights
+CHECK_ROWS = 4096  # rows checked at a time against gguf's dequantization (the load's transient memory)
 
 
 @dataclass(frozen=True)
-class Int4Blocks:
-    """w = d · q + m per block of 32 inputs: codes q [rows, K] uint8 in 0..15, d and m [rows, K / 32] float32."""
+class ScaleMinBlocks:
+    """w = d · q + m per block of 32 inputs: codes q [rows, K] uint8, d and m [rows, K / 32] float32."""
 
     q: np.ndarray
     d: np.ndarray
@@ -49,8 +54,16 @@ class Int4Blocks:
     def dequantize(self) -> np.ndarray:
         return np.repeat(self.d, BLOCK, axis=1) * self.q.astype(np.float32) + np.repeat(self.m, BLOCK, axis=1)
 
-    def rows_reordered(self, order) -> "Int4Blocks":
-        return Int4Blocks(order(self.q), order(self.d), order(self.m))
+    def rows_reordered(self, order) -> "ScaleMinBlocks":
+        return type(self)(order(self.q), order(self.d), order(self.m))
+
+
+class Int4Blocks(ScaleMinBlocks):
+    """Codes in 0..15: Q4_0, Q4_1, Q4_K."""
+
+
+class Int5Blocks(ScaleMinBlocks):
+    """Codes in 0..31: Q5_1, Q5_K."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,9 @@ class Q6Blocks:
         return Q6Blocks(order(self.q), order(self.d))
 
 
+KernelBlocks = Int4Blocks | Int5Blocks | Q8Blocks | Q5Blocks | Q6Blocks
+
+
 def _half(block: np.ndarray, start: int) -> np.ndarray:
     """The fp16 at byte `start` of each block, as float32 [..., 1]."""
     return block[..., start:start + 2].copy().view(np.float16).astype(np.float32)
@@ -125,6 +141,24 @@ def _int4_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int4Blocks:
     return Int4Blocks(_nibbles(block[..., size - 16:]).reshape(rows, -1), d, m)
 
 
+def _int5_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int5Blocks:
+    if qtype == Type.Q5_K:
+        # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 32 bytes of fifth bits (sub-block i's are bit i of
+        # bytes 0..31), 128 of low nibbles (as Q4_K's)
+        block = raw.reshape(rows, -1, 176)
+        count = block.shape[1]
+        sc, mn = quants.Q4_K.get_scale_min(block[..., 4:16].reshape(-1, 12))
+        d = (_half(block, 0) * sc.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
+        m = -(_half(block, 2) * mn.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
+        low = _nibbles(block[..., 48:].reshape(rows, count, 4, 32)).reshape(rows, count, 8, 32)
+        fifth = (block[..., 16:48].reshape(rows, count, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        return Int5Blocks((low | (fifth << 4)).reshape(rows, -1), d, m)
+    block = raw.reshape(rows, -1, 24)  # fp16 d, fp16 m, 32 fifth bits (element j's is bit j), 16 bytes of nibbles
+    fifth = (block[..., 4:8].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    codes = _nibbles(block[..., 8:]) | (fifth.astype(np.uint8) << 4)
+    return Int5Blocks(codes.reshape(rows, -1), _half(block, 0)[..., 0], _half(block, 2)[..., 0])
+
+
 def _q6_blocks(raw: np.ndarray, rows: int) -> Q6Blocks:
     block = raw.reshape(rows, -1, 210)  # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
     count = block.shape[1]
@@ -136,7 +170,7 @@ def _q6_blocks(raw: np.ndarray, rows: int) -> Q6Blocks:
 
 
 def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int,
-                  order=lambda x: x) -> Int4Blocks | Q8Blocks | Q5Blocks | Q6Blocks | None:
+                  order=lambda x: x) -> KernelBlocks | None:
     """A GGUF tensor's raw bytes (rows of blocks) as the kernels' blocks, with its rows put in `order` (a function
     of an array's first axis: llama's q/k rows are stored interleaved), or None for a type they do not cover or
     blocks that do not dequantize exactly to `gguf.quants.dequantize`'s numbers."""
@@ -144,24 +178,39 @@ def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int,
 
 
 def checked_blocks(raw: np.ndarray, qtype: Type, rows: int,
-                   order=lambda x: x) -> tuple[Int4Blocks | Q8Blocks | Q5Blocks | Q6Blocks | None, np.ndarray]:
-    """kernel_blocks's answer, and the tensor as `gguf.quants.dequantize` gives it ([rows, K] float32, in `order`):
-    the reference the blocks were checked against, and the weights where there are no blocks."""
+                   order=lambda x: x) -> tuple[KernelBlocks | None, np.ndarray | None]:
+    """kernel_blocks's answer, and where it is None the tensor as `gguf.quants.dequantize` gives it ([rows, K]
+    float32, in `order`; else None: the blocks' own dequantize() is those numbers). The check dequantizes CHECK_ROWS
+    rows at a time, so loading a large tensor (an embedding) holds no dense copy of it."""
     raw = np.ascontiguousarray(raw)
-    with np.errstate(invalid="ignore", over="ignore"):
-        reference = order(quants.dequantize(raw, qtype).reshape(rows, -1).astype(np.float32, copy=False))
-    raw = raw.view(np.uint8)
+    codes = raw.view(np.uint8).reshape(rows, -1)
     if qtype in INT4_TYPES:
-        blocks = _int4_blocks(raw, qtype, rows)
+        blocks = _int4_blocks(codes, qtype, rows)
+    elif qtype in INT5_TYPES:
+        blocks = _int5_blocks(codes, qtype, rows)
     elif qtype == Type.Q8_0:
-        blocks = Q8Blocks(raw.reshape(rows, -1, 34).copy())
+        blocks = Q8Blocks(codes.reshape(rows, -1, 34).copy())
     elif qtype == Type.Q5_0:
-        blocks = Q5Blocks(raw.reshape(rows, -1, 22).copy())
+        blocks = Q5Blocks(codes.reshape(rows, -1, 22).copy())
     elif qtype == Type.Q6_K:
-        blocks = _q6_blocks(raw, rows)
+        blocks = _q6_blocks(codes, rows)
     else:
-        return None, reference
-    blocks = blocks.rows_reordered(order)
+        blocks = None
+    if blocks is not None:
+        blocks = blocks.rows_reordered(order)
+        source = order(np.arange(rows))  # the file's row of each of ours
+        if all(np.array_equal(_dequantized(blocks.rows_reordered(lambda a: a[start:start + CHECK_ROWS])),
+                              _reference(codes[source[start:start + CHECK_ROWS]], qtype))
+               for start in range(0, rows, CHECK_ROWS)):
+            return blocks, None
+    return None, order(_reference(raw, qtype).reshape(rows, -1))
+
+
+def _reference(raw: np.ndarray, qtype: Type) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
-        ours = blocks.dequantize()
-    return (blocks if np.array_equal(ours, reference) else None), reference
+        return quants.dequantize(raw, qtype).astype(np.float32, copy=False)
+
+
+def _dequantized(blocks: KernelBlocks) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return blocks.dequantize()

@@ -318,7 +318,7 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from tritonllm.gguf_blocks import Int4Blocks, Q5Blocks, Q8Blocks, kernel_blocks
+    from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, kernel_blocks
 
     config = json.loads((out_dir / "config.json").read_text())
     if config.get("model_type") not in BLOCK_MODEL_TYPES:
@@ -342,6 +342,9 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
             if found is not None and np.array_equal(found.dequantize(), dense.get_tensor(name).float().numpy()):
                 if isinstance(found, Int4Blocks):
                     blocks.update({f"{name}.q": found.q, f"{name}.d": found.d, f"{name}.m": found.m})
+                elif isinstance(found, Int5Blocks):
+                    blocks.update({f"{name}.int5_codes": found.q, f"{name}.int5_scales": found.d,
+                                   f"{name}.int5_mins": found.m})
                 elif isinstance(found, Q8Blocks):
                     blocks[f"{name}.q8_0"] = found.blocks
                 elif isinstance(found, Q5Blocks):

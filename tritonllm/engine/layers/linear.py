@@ -13,7 +13,7 @@ checkpoint:
 |---|---|---|---|---|
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
-| int4 | the GGUF's own blocks: Q4_0, Q4_1, Q4_K as int4 blocks (scale d, zero m per 32 weights, fp32), Q8_0 and Q5_0 as they are, Q6_K as int8 codes with an fp32 scale per 16 (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4 | the GGUF's own blocks: Q4_0, Q4_1, Q4_K as int4 blocks (scale d, zero m per 32 weights, fp32), Q5_1, Q5_K as int5 blocks (likewise), Q8_0 and Q5_0 as they are, Q6_K as int8 codes with an fp32 scale per 16 (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
 | int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one) | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
@@ -81,22 +81,37 @@ def _fbgemm_available() -> bool:
 
 
 @dataclass(frozen=True)
-class Q4Weight:
-    """A projection's weights as int4 blocks along the input dimension: w = d · q + m (a GGUF's Q4_0, Q4_1 and
-    Q4_K blocks, exactly: tritonllm/gguf_blocks.py)."""
+class ScaleMinWeight:
+    """A projection's weights as blocks along the input dimension: w = d · q + m per 32 inputs
+    (tritonllm/gguf_blocks.py makes them from a GGUF's blocks, exactly)."""
 
-    q: torch.Tensor  # [out, in] uint8 in 0..15
+    q: torch.Tensor  # [out, in] uint8 codes
     d: torch.Tensor  # [out, in / 32] float32
     m: torch.Tensor  # [out, in / 32] float32
 
-    @staticmethod
-    def concat(parts: list["Q4Weight"]) -> "Q4Weight":
+    @classmethod
+    def concat(cls, parts: list["ScaleMinWeight"]) -> "ScaleMinWeight":
         """Fused projections (qkv, gate_up) concatenate their parts' output rows."""
-        return Q4Weight(*(torch.cat([getattr(p, name) for p in parts]) for name in ("q", "d", "m")))
+        return cls(*(torch.cat([getattr(p, name) for p in parts]) for name in ("q", "d", "m")))
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32: d · q, then + m, each rounded (gguf_blocks's numbers, checked against the file's)."""
         return self.d.repeat_interleave(INT4_GROUP, 1) * self.q.float() + self.m.repeat_interleave(INT4_GROUP, 1)
+
+    def rows(self, index: torch.Tensor) -> "ScaleMinWeight":
+        return type(self)(self.q[index], self.d[index], self.m[index])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+
+class Q4Weight(ScaleMinWeight):
+    """int4: codes in 0..15 (a GGUF's Q4_0, Q4_1 and Q4_K blocks)."""
+
+
+class Int5Weight(ScaleMinWeight):
+    """int5: codes in 0..31 (a GGUF's Q5_1 and Q5_K blocks)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,13 @@ class Q8Weight:
     def dequantize(self) -> torch.Tensor:
         d = self.blocks[..., :2].contiguous().view(torch.float16).float()
         return (self.blocks[..., 2:].contiguous().view(torch.int8).float() * d).flatten(1)
+
+    def rows(self, index: torch.Tensor) -> "Q8Weight":
+        return Q8Weight(self.blocks[index])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.blocks.shape[1] * INT4_GROUP
 
 
 @dataclass(frozen=True)
@@ -132,6 +154,13 @@ class Q5Weight:
     def dequantize(self) -> torch.Tensor:
         return self.as_q8().dequantize()
 
+    def rows(self, index: torch.Tensor) -> "Q5Weight":
+        return Q5Weight(self.blocks[index])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.blocks.shape[1] * INT4_GROUP
+
 
 @dataclass(frozen=True)
 class Q6Weight:
@@ -147,8 +176,15 @@ class Q6Weight:
     def dequantize(self) -> torch.Tensor:
         return self.d.repeat_interleave(self.q.shape[1] // self.d.shape[1], 1) * self.q.float()
 
+    def rows(self, index: torch.Tensor) -> "Q6Weight":
+        return Q6Weight(self.q[index], self.d[index])
 
-BlockWeight = Q4Weight | Q8Weight | Q5Weight | Q6Weight
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+
+BlockWeight = Q4Weight | Int5Weight | Q8Weight | Q5Weight | Q6Weight
 
 
 @dataclass(frozen=True)
@@ -284,6 +320,22 @@ class Q4Projection(Projection):
         return cpu_ops.q4_matmul(x, self.packed)
 
 
+class Int5Projection(Projection):
+    """int5 blocks (a GGUF's Q5_1 and Q5_K: 7 bits a weight with the scales widened to fp32): the CPU ops' kernel
+    dequantizes w = d · q + m per block in registers and multiplies in fp32 (int4-q8 too: no integer kernel for
+    them yet)."""
+
+    def __init__(self, weight: Int5Weight, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.packed = cpu_ops.pack_q5_1(weight.q, weight.d, weight.m)
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return None if self.bias is not None else [("int5", self.packed, self.packed.shape[0])]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.q5_1_matmul(x, self.packed)
+
+
 class Q8Projection(Projection):
     """Q8_0 weights as blocks (8.5 bits a weight with their scales): the CPU ops' kernel dequantizes w = d · q per
     block in registers and multiplies in fp32, or sums codes in integers with int8 activations (over the blocks
@@ -393,6 +445,8 @@ class Choice:
             return Q5Projection(blocks.blocks, bias)
         if isinstance(blocks, Q6Weight):
             return Q6Projection(blocks, bias)
+        if isinstance(blocks, Int5Weight):
+            return Int5Projection(blocks, bias)
         if self.kernel == "cpu_ops":
             return Q4Projection(blocks, bias, self.int8_activations)
         if self.kernel == "int8":
@@ -454,8 +508,8 @@ def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool, bloc
         formats = [requested]
         if requested in BLOCK_FORMATS and not has_blocks:
             raise ValueError(f"weight_format {requested} serves a GGUF's own blocks; this model has none the kernels "
-                             "run (it was not converted from a llama or qwen3 GGUF with Q4_0, Q4_1, Q4_K or Q8_0 "
-                             "projections)")
+                             "run (it was not read from a llama or qwen3 GGUF with projections of a type they "
+                             "run: README's GGUF types)")
         if requested == "int4-q8" and not cpu_ops.available():
             raise ValueError("weight_format int4-q8 runs on the CPU ops, which could not be built here (no C "
                              "compiler, or TRITONLLM_CPU_OPS=0)")

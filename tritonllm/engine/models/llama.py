@@ -16,6 +16,7 @@ from torch import nn
 from tritonllm import kernels
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.engine.layers.attention import AttentionMetadata, paged_attention
+from tritonllm.engine.layers.embedding import BlockEmbedding
 from tritonllm.engine.layers.linear import Choice
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.layers.prompt_rows import computing_prompt_rows
@@ -232,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
                 setattr(owner, name, projection)
         self.prefill_dtype = prefill_dtype
         self.lm_head = choice.make_head(self.head_weight(), blocks.head if blocks and choice.blocks else None)
+        if blocks and blocks.embedding is not None and choice.runs_blocks_alone:
+            self.embed_tokens = BlockEmbedding(blocks.embedding)  # no dense copy of it
         arch = self.arch
         self.int8_activations = choice.int8_activations  # what llama_decode's projections run with
         every_in_blocks = all(getattr(owner, name).block_parts() is not None
@@ -249,6 +252,8 @@ class LlamaForCausalLM(nn.Module):
                     linear.weight = nn.Parameter(weight.dequantize(), requires_grad=False)
         if self.lm_head is not None and self.lm_head.weight.is_meta:
             self.lm_head.weight = nn.Parameter(blocks.head.dequantize(), requires_grad=False)
+        if self.embed_tokens.weight.is_meta:
+            self.embed_tokens.weight = nn.Parameter(blocks.embedding.dequantize(), requires_grad=False)
 
     @classmethod
     def from_pretrained(cls, model_dir: Path, config: dict, dtype: torch.dtype,

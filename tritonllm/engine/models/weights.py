@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from tritonllm.engine.layers.linear import BlockWeight, MixedWeight, Q4Weight, Q5Weight, Q6Weight, Q8Weight
+from tritonllm.engine.layers.linear import (BlockWeight, Int5Weight, MixedWeight, Q4Weight, Q5Weight, Q6Weight,
+                                           Q8Weight)
 from tritonllm.model_files import BLOCKS_FILE, GGUF_HEADS, GGUF_PROJECTIONS, UNCOVERED_METADATA, llama_rotary_order
 from tritonllm.engine.models.architecture import ModelArchitecture
 
@@ -33,11 +34,12 @@ def checkpoint_state(model_dir: Path, arch: ModelArchitecture) -> dict[str, torc
 @dataclass(frozen=True)
 class GgufBlocks:
     """A converted GGUF's blocks that the kernels run: per layer, its fused projections' (as projection_weights
-    orders them; a MixedWeight for one whose parts differ in kind, None for one without blocks), and the LM head's
-    (or the tied embedding's)."""
+    orders them; a MixedWeight for one whose parts differ in kind, None for one without blocks), the LM head's (or
+    the tied embedding's) and the embedding's (looked up in them: layers/embedding.py)."""
 
     layers: dict[int, list[BlockWeight | MixedWeight | None]]
     head: BlockWeight | None
+    embedding: BlockWeight | None
 
 
 def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | None:
@@ -55,6 +57,8 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | N
                 return Q8Weight(handle.get_tensor(f"{key}.q8_0"))
             if f"{key}.q5_0" in names:
                 return Q5Weight(handle.get_tensor(f"{key}.q5_0"))
+            if f"{key}.int5_codes" in names:
+                return Int5Weight(*(handle.get_tensor(f"{key}.int5_{p}") for p in ("codes", "scales", "mins")))
             if f"{key}.q6_codes" in names:
                 return Q6Weight(handle.get_tensor(f"{key}.q6_codes"), handle.get_tensor(f"{key}.q6_scales"))
             return Q4Weight(*(handle.get_tensor(f"{key}.{p}") for p in "qdm")) if f"{key}.q" in names else None
@@ -64,7 +68,7 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | N
                       for _, names, rows in _fused_projections(arch)]
                   for i in range(arch.num_layers)}
         head = weight("model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight")
-    return _gguf_blocks(layers, head, mixed)
+    return _gguf_blocks(layers, head, head if arch.tie_word_embeddings else None, mixed)
 
 
 def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
@@ -76,24 +80,28 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
     numbers, as transformers' conversion gives them."""
     import gguf
 
-    from tritonllm.gguf_blocks import Int4Blocks, Q5Blocks, Q8Blocks, checked_blocks
+    from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, checked_blocks
 
     tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_path).tensors}
     uncovered: dict[str, list[int]] = {}
 
-    def read(name: str, order=lambda x: x) -> tuple[BlockWeight | None, np.ndarray]:
-        """A tensor's blocks (None: not run from blocks) and its dequantized weights."""
+    def shape(name: str) -> list[int]:
+        return [int(n) for n in reversed(tensors[name].shape)]  # GGUF lists the fastest dimension first
+
+    def read(name: str, order=lambda x: x) -> tuple[BlockWeight | None, np.ndarray | None]:
+        """A tensor's blocks and, where it has none the kernels run, its dequantized weights."""
         tensor = tensors[name]
-        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1  # GGUF lists the fastest dimension first
+        rows = shape(name)[0] if len(tensor.shape) > 1 else 1
         found, dense = checked_blocks(tensor.data, tensor.tensor_type, rows, order)
-        dense = dense.reshape([int(n) for n in reversed(tensor.shape)])
         if found is None:
+            dense = dense.reshape(shape(name))
             if len(tensor.shape) > 1:
                 count = uncovered.setdefault(tensor.tensor_type.name, [0, 0])
                 count[0], count[1] = count[0] + 1, count[1] + dense.size
             return None, dense
-        if isinstance(found, Int4Blocks):
-            return Q4Weight(*(_tensor(a) for a in (found.q, found.d, found.m))), dense
+        if isinstance(found, (Int4Blocks, Int5Blocks)):
+            kind = Q4Weight if isinstance(found, Int4Blocks) else Int5Weight
+            return kind(*(_tensor(a) for a in (found.q, found.d, found.m))), dense
         if isinstance(found, Q8Blocks):
             return Q8Weight(_tensor(found.blocks)), dense
         if isinstance(found, Q5Blocks):
@@ -105,11 +113,14 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
 
     state = {"norm.weight": vector("output_norm.weight")}
     gguf_head = {ours: theirs for theirs, ours in GGUF_HEADS.items()}
-    head, dense = read(gguf_head["model.embed_tokens.weight"])
-    state["embed_tokens.weight"] = _tensor(dense)  # looked up: its numbers are needed whatever the head runs on
+    embedding, dense = read(gguf_head["model.embed_tokens.weight"])
+    state["embed_tokens.weight"] = (_tensor(dense) if embedding is None
+                                    else torch.empty(shape(gguf_head["model.embed_tokens.weight"]), device="meta"))
+    head = embedding
     if not arch.tie_word_embeddings:
         head, dense = read(gguf_head["lm_head.weight"])
-        state["lm_head.weight"] = _tensor(dense) if head is None else torch.empty(dense.shape, device="meta")
+        state["lm_head.weight"] = (_tensor(dense) if head is None
+                                   else torch.empty(shape(gguf_head["lm_head.weight"]), device="meta"))
     gguf_names = {ours: theirs for theirs, ours in GGUF_PROJECTIONS.items()}
     mixed, layers = [], {}
     for i in range(arch.num_layers):
@@ -129,11 +140,12 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
                 parts.append(read(f"blk.{i}.{theirs}.weight", order))
             blocks = [block for block, _ in parts]
             state[f"{p}.{fused_name}.weight"] = (
-                torch.empty(sum(rows), parts[0][1].shape[1], device="meta")  # runs from its blocks alone
-                if all(block is not None for block in blocks) else _tensor(np.concatenate([d for _, d in parts])))
+                torch.empty(sum(rows), shape(f"blk.{i}.{gguf_names[names[0]]}.weight")[1], device="meta")
+                if all(block is not None for block in blocks)  # runs from its blocks alone
+                else torch.cat([_tensor(d) if b is None else b.dequantize() for b, d in parts]))
             layers[i].append(_fused_blocks(blocks, rows, mixed))
     _log_uncovered(uncovered)
-    return state, _gguf_blocks(layers, head, mixed)
+    return state, _gguf_blocks(layers, head, embedding, mixed)
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -169,11 +181,11 @@ def _fused_blocks(parts: list[BlockWeight | None], rows: list[int],
 
 
 def _gguf_blocks(layers: dict[int, list[BlockWeight | MixedWeight | None]], head: BlockWeight | None,
-                 mixed: list) -> GgufBlocks | None:
+                 embedding: BlockWeight | None, mixed: list) -> GgufBlocks | None:
     if mixed:
         log.info("%d fused projections (qkv, gate_up) mix kinds of blocks: they run part by part", len(mixed))
     has_blocks = head is not None or any(w is not None for ws in layers.values() for w in ws)
-    return GgufBlocks(layers, head) if has_blocks else None
+    return GgufBlocks(layers, head, embedding) if has_blocks else None
 
 
 def _log_uncovered(uncovered: dict[str, list[int]]) -> None:

@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -35,10 +36,15 @@ SOURCE_DIR = Path(__file__).parent  # *.c (one concept each) and their headers, 
 MARCH = os.environ.get("TRITONLLM_CPU_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 QUANT_BLOCK = 32  # as in quant_matmul.c
+# quant_matmul.c's bytes a block of 32 inputs (per row; the int8-activation ops' per group of GROUP_ROWS rows)
+Q4_BYTES, Q5_1_BYTES, Q8_BYTES, Q5_BYTES, Q6_BYTES = 24, 28, 34, 22, 40
+Q4_GROUP_BYTES, Q8_GROUP_BYTES = 4 * 64 + 64, 8 * 64 + 32
+X86_MACHINES = ("x86_64", "AMD64")  # the C ops are written with x86 intrinsics
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "q4_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q5_1_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q5_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q6_matmul": [_p, _i64, _i64, _p, _i64, _p],
@@ -71,6 +77,14 @@ def _cpu_flags() -> str:
 def build(directory: Path, source_dir: Path = SOURCE_DIR) -> Path | None:
     """The library compiled from `source_dir`'s C files for this CPU in `directory` (unless already there; other
     builds for the same target there are removed), or None without a working C compiler."""
+    if platform.machine() not in X86_MACHINES:
+        log.warning("the CPU ops are x86 code (AVX2 and AVX-512 intrinsics): on this %s CPU the torch reference "
+                    "ops run (slower)", platform.machine())
+        return None
+    if MARCH == "native" and not {"avx2", "fma"} <= set(_cpu_flags().split()):
+        log.warning("the CPU ops need AVX2 and FMA (x86-64-v3), which this CPU lacks: the torch reference ops run "
+                    "(slower)")
+        return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("no C compiler: the CPU runs the torch reference ops (slower)")
@@ -145,6 +159,17 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.cat([*scales, nibbles], dim=-1).contiguous()
 
 
+def pack_q5_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """int5 codes q [out, in] (0..31) and scales d, zeros m [out, in / 32] (fp32 values) → q5_1_matmul's blocks
+    [out, in / 32, 28] uint8: d, m as fp32, the 32 fifth bits (element j's is bit j), then pack_q4's nibbles."""
+    rows, width = q.shape
+    codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, QUANT_BLOCK)
+    nibbles = (codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4)
+    fifth = ((codes.to(torch.int64) >> 4) << torch.arange(QUANT_BLOCK)).sum(-1).to(torch.int32)  # distinct bits
+    scales = [t.float().contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 4) for t in (d, m)]
+    return torch.cat([*scales, fifth[..., None].view(torch.uint8), nibbles], dim=-1).contiguous()
+
+
 def pack_q5_as_q8(blocks: torch.Tensor) -> torch.Tensor:
     """A GGUF's Q5_0 blocks [out, in / 32, 22] uint8 (fp16 d, 32 fifth bits: element j's is bit j, 16 bytes: element
     j's low nibble, j + 16's high one; w = d · (q − 16)) → Q8_0 blocks [out, in / 32, 34] of the same numbers."""
@@ -214,7 +239,32 @@ def pack_q8_rows(blocks: torch.Tensor) -> torch.Tensor:
     return _row_groups(codes.reshape(rows, -1), [d])
 
 
-def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+def _checked(tensor: torch.Tensor, name: str, dtype: torch.dtype | None, shape: tuple[int | None, ...]) -> None:
+    """Raise ValueError unless `tensor` is a CPU tensor of `dtype` (None: any) and `shape` (None: any size there):
+    the C ops read raw memory, so a wrong one would be read as something else, or past its end."""
+    if (tensor.device.type != "cpu" or dtype not in (None, tensor.dtype) or tensor.dim() != len(shape)
+            or any(want is not None and got != want for got, want in zip(tensor.shape, shape))):
+        expected = "[" + ", ".join("*" if n is None else str(n) for n in shape) + "]"
+        raise ValueError(f"{name}: expected a CPU {dtype or 'any'} tensor {expected}, got {tensor.device.type} "
+                         f"{tensor.dtype} {list(tensor.shape)}")
+
+
+def _checked_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int | None, head_dim: int) -> None:
+    """Paged caches [blocks, block_size, kv_heads, head_dim] alike."""
+    _checked(k_cache, "k_cache", None, (None, None, kv_heads, head_dim))
+    _checked(v_cache, "v_cache", None, tuple(k_cache.shape))
+
+
+def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int, block_bytes: int,
+                  group_rows: int = 1) -> torch.Tensor:
+    """x [tokens, in] float32 @ weights [rows, in].T in blocks of `block_bytes` per 32 inputs, per row or (for the
+    int8-activation ops) per group of `group_rows` rows."""
+    _checked(x, "x", torch.float32, (None, None))
+    if x.shape[1] % QUANT_BLOCK:
+        raise ValueError(f"x: {x.shape[1]} inputs, not a multiple of {QUANT_BLOCK}")
+    _checked(packed, "weights", torch.uint8, (-(-rows // group_rows), x.shape[1] // QUANT_BLOCK, block_bytes))
+    if not packed.is_contiguous():
+        raise ValueError("weights: not contiguous (pack them once, at load)")
     x = x.contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr())
@@ -223,42 +273,52 @@ def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q4's weights [out, in].T → [tokens, out]."""
-    return _block_matmul(_library.q4_matmul, x, packed, packed.shape[0])
+    return _block_matmul(_library.q4_matmul, x, packed, packed.shape[0], Q4_BYTES)
+
+
+def q5_1_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ pack_q5_1's weights [out, in].T → [tokens, out]."""
+    return _block_matmul(_library.q5_1_matmul, x, packed, packed.shape[0], Q5_1_BYTES)
 
 
 def q8_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q8_exact's weights [out, in].T → [tokens, out]."""
-    return _block_matmul(_library.q8_matmul, x, packed, packed.shape[0])
+    return _block_matmul(_library.q8_matmul, x, packed, packed.shape[0], Q8_BYTES)
 
 
 def q5_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ a GGUF's Q5_0 blocks [out, in / 32, 22] uint8 (fp16 d, 32 high bits, 16 bytes of
     nibbles: w = d · (q − 16)), as the file stores them, .T → [tokens, out]."""
-    return _block_matmul(_library.q5_matmul, x, blocks, blocks.shape[0])
+    return _block_matmul(_library.q5_matmul, x, blocks, blocks.shape[0], Q5_BYTES)
 
 
 def q6_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ pack_q6's weights [out, in].T → [tokens, out]."""
-    return _block_matmul(_library.q6_matmul, x, packed, packed.shape[0])
+    return _block_matmul(_library.q6_matmul, x, packed, packed.shape[0], Q6_BYTES)
 
 
 def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     """x [tokens, in] float32 @ the weights [rows, in].T that pack_q4_rows packed, with each token's x quantized per
     block of 32 to int8 codes first (llama.cpp's Q8_1: codes round(x / dx) with dx the block's absmax / 127, and
     sx = dx · Σ codes): Σ_b dw·dx·(the block's code products, summed exactly) + mw·sx."""
-    return _block_matmul(_library.q4_q8_matmul, x, packed, rows)
+    return _block_matmul(_library.q4_q8_matmul, x, packed, rows, Q4_GROUP_BYTES, GROUP_ROWS)
 
 
 def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     """As q4_q8_matmul over pack_q8_rows's weights (Σ_b dw·dx·Σ code products)."""
-    return _block_matmul(_library.q8_q8_matmul, x, packed, rows)
+    return _block_matmul(_library.q8_q8_matmul, x, packed, rows, Q8_GROUP_BYTES, GROUP_ROWS)
 
 
 def sample_tokens(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,
                   uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """As kernels.sampling.sample_tokens_reference, each row in a few passes while it is in cache."""
-    logits, raw = logits.contiguous(), raw.contiguous()
+    _checked(logits, "logits", torch.float32, (None, None))
+    _checked(raw, "raw", torch.float32, tuple(logits.shape))
     rows, vocab = logits.shape
+    for name, tensor in (("inverse_temperatures", inverse_temperatures), ("uniforms", uniforms)):
+        if tuple(tensor.shape) != (rows,):
+            raise ValueError(f"{name}: expected [{rows}], got {list(tensor.shape)}")
+    logits, raw = logits.contiguous(), raw.contiguous()
     inverse_temperatures, uniforms = (t.to(torch.float32).contiguous() for t in (inverse_temperatures, uniforms))
     tokens = torch.empty(rows, dtype=torch.int64)
     log_normalizers = torch.empty(rows, dtype=torch.float32)
@@ -273,8 +333,12 @@ def _rows(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    x = x.contiguous()
     width = x.shape[-1]
+    _checked(x, "x", torch.float32, (None,) * x.dim())
+    _checked(weight.contiguous(), "weight", torch.float32, (width,))
+    if residual is not None:
+        _checked(residual, "residual", torch.float32, tuple(x.shape))
+    x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
     _library.rms_norm(x.data_ptr(), _ptr(None if residual is None else residual.contiguous()), weight.data_ptr(),
@@ -283,6 +347,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    tokens, _, head_dim = q.shape
+    for name, tensor in (("q", q), ("k", k)):
+        _checked(tensor, name, torch.float32, (tokens, None, head_dim))
+    for name, tensor in (("cos", cos), ("sin", sin)):
+        _checked(tensor, name, torch.float32, (tokens, head_dim // 2))
     if not (_rows(q) and _rows(k)):
         return rotary_embedding_reference(q, k, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -299,6 +368,11 @@ def _half(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
 
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
+    tokens, kv_heads, head_dim = k.shape
+    _checked(k, "k", torch.float32, (tokens, kv_heads, head_dim))
+    _checked(v, "v", torch.float32, (tokens, kv_heads, head_dim))
+    _checked(slot_mapping, "slot_mapping", None, (tokens,))
+    _checked_cache(k_cache, v_cache, kv_heads, head_dim)
     half = _half(k_cache, v_cache)
     if not (_rows(k) and _rows(v) and slot_mapping.dtype == torch.int64 and half is not None):
         return store_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping)
@@ -309,6 +383,11 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, workspace=None) -> torch.Tensor:
+    seqs, _, head_dim = q.shape
+    _checked(q, "q", torch.float32, (seqs, None, head_dim))
+    _checked_cache(k_cache, v_cache, None, head_dim)
+    _checked(block_tables, "block_tables", None, (seqs, None))
+    _checked(context_lens, "context_lens", None, (seqs,))
     half = _half(k_cache, v_cache)
     if not (_rows(q) and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int32 and half is not None):
         return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, workspace)
@@ -328,6 +407,12 @@ def _prefill_arguments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        scale: float) -> tuple | None:
     """The prefill attention ops' arguments but their output (pointers, the tensors they point into, to keep alive
     through the call, and whether the cache is float16), or None where the C ops do not take these tensors."""
+    _checked(q, "q", torch.float32, (None, None, None))
+    _checked_cache(k_cache, v_cache, None, q.shape[2])
+    chunks = len(query_starts)
+    for name, tensor in (("query_lens", query_lens), ("context_lens", context_lens)):
+        _checked(tensor, name, None, (chunks,))
+    _checked(block_tables, "block_tables", None, (chunks, None))
     half = _half(k_cache, v_cache)
     if not (_rows(q) and half is not None):
         return None
@@ -367,6 +452,9 @@ def prefill_attention_amx(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    _checked(x, "x", torch.float32, (None,) * x.dim())
+    if x.shape[-1] % 2:
+        raise ValueError(f"x: an odd width {x.shape[-1]} (gate and up side by side)")
     x = x.contiguous()
     width = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
@@ -376,7 +464,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ---- a whole decode forward ----
 
-BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6": 2, "q5_0": 3}  # llama_decode.c's enum: what a projection part's blocks are
+# llama_decode.c's enum: what a projection part's blocks are
+BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6": 2, "q5_0": 3, "int5": 4}
 PROJECTION_PARTS = 3  # most parts of one fused projection (qkv)
 
 
@@ -418,6 +507,13 @@ def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_head
     output, the residual stream before it), as the layers op by op would give them. half_cache: the layers' KV
     caches are float16 (else float32); int8_activations: the int4 and Q8_0 parts are q4_q8_matmul's and
     q8_q8_matmul's (else q4_matmul's and q8_matmul's)."""
+    tokens = hidden.shape[0]
+    _checked(hidden, "hidden", torch.float32, (tokens, None))
+    for name, tensor in (("cos", cos), ("sin", sin)):
+        _checked(tensor, name, torch.float32, (tokens, head_dim // 2))
+    _checked(slot_mapping, "slot_mapping", torch.int64, (tokens,))
+    _checked(block_tables, "block_tables", torch.int64, (tokens, None))
+    _checked(context_lens, "context_lens", torch.int32, (tokens,))
     hidden = hidden.contiguous().clone()  # written in place
     residual = torch.empty_like(hidden)
     tables = _table(block_tables)

@@ -17,6 +17,7 @@
 #include "vector.h"
 
 void q4_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
+void q5_1_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q5_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q6_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);

@@ -1,7 +1,8 @@
 #include "cpu_ops.h"
 
 /* ---- projections over the checkpoint's quantized blocks: y[T][N] = x[T][K] . W[N][K]^T ----
- * int4 (a GGUF's Q4_0, Q4_1, Q4_K, repacked exactly at load): w = d * q + m per block of 32 inputs; Q8_0: w = d * q,
+ * int4 (a GGUF's Q4_0, Q4_1, Q4_K, repacked exactly at load): w = d * q + m per block of 32 inputs; int5 (Q5_1,
+ * Q5_K, likewise): the same with 5-bit q; Q8_0: w = d * q,
  * q signed; Q5_0 (as the GGUF stores it): w = d * (q - 16), q of 5 bits; Q6 (a GGUF's Q6_K, repacked exactly):
  * w = d * q, q signed, a scale per 16 inputs.
  * Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
@@ -10,6 +11,7 @@
 #define Q4_1_BYTES 24 /* fp32 d, fp32 m (the GGUF's fp16, widened at load: each a broadcast from memory, where
                        * fp16 took a conversion and two shuffles per row and block), 16 bytes of nibbles: element
                        * j low, element j + 16 high */
+#define Q5_1_BYTES 28 /* int5: fp32 d, fp32 m, 4 bytes of fifth bits (element j: bit j), 16 of nibbles as Q4_1's */
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 #define Q5_0_BYTES 22 /* fp16 d, 4 bytes of high bits (element j: bit j), 16 bytes: element j low, j + 16 high */
 #define Q6_BYTES 40   /* fp32 d of inputs 0..15 and of 16..31 (Q6_K's d * sc: 19 bits, exact in fp32), 32 signed
@@ -94,6 +96,39 @@ static inline void dequantize_q5_0(const uint8_t *block, vf *out) {
     for (int v = 0; v < BLOCK_VECTORS; v++) {
         const vi fifth = (((vi){0} + (int32_t)(high >> (v * VLEN))) >> lane & 1) << 4;
         out[v] = __builtin_convertvector((nibbles[v] | fifth) - 16, vf) * dv;
+    }
+#endif
+}
+
+static inline void dequantize_q5_1(const uint8_t *block, vf *out) {
+    float d, m;
+    memcpy(&d, block, 4);
+    memcpy(&m, block + 4, 4);
+    const vf dv = splat(d), mv = splat(m);
+    uint32_t high;
+    memcpy(&high, block + 8, 4);
+#if VLEN == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* in bytes: each nibble, plus 16 where its fifth bit is set (a masked add) */
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 12)), sixteen = _mm_set1_epi8(16);
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    const __m128i codes[2] = {_mm_mask_add_epi8(low, (__mmask16)high, low, sixteen),
+                              _mm_mask_add_epi8(top, (__mmask16)(high >> 16), top, sixteen)};
+    for (int v = 0; v < 2; v++) out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes[v])) * dv + mv;
+#else
+    vi lane;
+    for (int i = 0; i < VLEN; i++) lane[i] = i;
+#if VLEN == 16
+    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 12)));
+    const vi nibbles[2] = {codes & 15, codes >> 4};
+#else
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 12))),
+                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 20)))};
+    const vi nibbles[4] = {codes[0] & 15, codes[1] & 15, codes[0] >> 4, codes[1] >> 4};
+#endif
+    for (int v = 0; v < BLOCK_VECTORS; v++) {
+        const vi fifth = (((vi){0} + (int32_t)(high >> (v * VLEN))) >> lane & 1) << 4;
+        out[v] = __builtin_convertvector(nibbles[v] | fifth, vf) * dv + mv;
     }
 #endif
 }
@@ -238,6 +273,7 @@ MICROKERNEL(1, 1)
     }
 
 BLOCK_MATMUL(q4_matmul, dequantize_q4_1, Q4_1_BYTES)
+BLOCK_MATMUL(q5_1_matmul, dequantize_q5_1, Q5_1_BYTES)
 BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
 BLOCK_MATMUL(q5_matmul, dequantize_q5_0, Q5_0_BYTES)
 BLOCK_MATMUL(q6_matmul, dequantize_q6, Q6_BYTES)
