@@ -18,8 +18,8 @@ from tritonllm.engine.core.lora_slots import LoraSlotPool
 from tritonllm.engine.core.scheduler import ScheduledSequence
 from tritonllm.engine.core.sequence import Sequence
 from tritonllm.engine.layers.attention import AttentionMetadata
-from tritonllm.engine.layers.linear import (Choice, candidates, choose_format, cpu_has_amx, cpu_has_bf16, fastest_run,
-                                           onednn_available)
+from tritonllm.engine.layers.linear import (BLOCK_FORMATS, Choice, candidates, choose_format, cpu_has_amx, cpu_has_bf16,
+                                           fastest_run, onednn_available)
 from tritonllm.model_files import cpu_ops_dir
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.models import registry
@@ -79,6 +79,11 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     """The model with its projections in the configured weight format (on the CPU, auto: the fastest exact or
     near-exact one, measured); returns it with a description of the format."""
     dtype = resolve_dtype(config.dtype, device)
+    if config.quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {config.quantization} runs on the CPU only (on its block kernels)")
+    if config.quantization != "none" and config.weight_format not in ("auto", *BLOCK_FORMATS):
+        raise ValueError(f"quantization {config.quantization} makes blocks, which weight_format "
+                         f"{config.weight_format} does not run: use auto, int4 or int4-q8")
     if device.type != "cpu":
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
@@ -87,7 +92,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
                              "in the activations' dtype)")
         return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
     cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
-    model, blocks = registry.load_for_cpu(model_dir)
+    model, blocks = registry.load_for_cpu(model_dir, config.quantization)
     blocks_alone = any(parameter.is_meta for parameter in model.parameters())  # a GGUF read without a dense copy
     options = candidates(config.weight_format, dtype, has_blocks=blocks is not None, blocks_alone=blocks_alone)
     if blocks_alone and not all(option.runs_blocks_alone for option in options):
@@ -107,7 +112,8 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         arch = model.arch
         prefill_attention_bf16.warm_up(arch.num_heads, arch.num_kv_heads, arch.head_dim)
     prompts = "" if prefill == torch.float32 else ", bfloat16 prompts"
-    return in_format(model, choice, prefill), choice.describe() + prompts
+    quantized = "" if config.quantization == "none" else f", quantized at load to {config.quantization}"
+    return in_format(model, choice, prefill), choice.describe() + prompts + quantized
 
 
 def prefill_dtype(requested: str, activations: torch.dtype, blocks_alone: bool) -> torch.dtype:
