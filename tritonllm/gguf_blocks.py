@@ -174,7 +174,9 @@ def quantized_blocks(weight: np.ndarray, qtype: Type) -> Int4Blocks | Q8Blocks |
     rows, width = weight.shape
     if width % BLOCK:
         raise ValueError(f"{width} inputs are not whole blocks of {BLOCK}")
-    blocks, _ = checked_blocks(quants.quantize(np.ascontiguousarray(weight, np.float32), qtype), qtype, rows)
+    with np.errstate(invalid="ignore", over="ignore"):  # weights that are not finite fail the check below
+        raw = quants.quantize(np.ascontiguousarray(weight, np.float32), qtype)
+    blocks, _ = checked_blocks(raw, qtype, rows)
     if blocks is None:
         raise ValueError(f"its {qtype.name} blocks do not dequantize exactly (weights that are not finite?)")
     return blocks
