@@ -5,6 +5,7 @@ that matter (sampling positions, prompt chunks asked for) come back as logits an
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,15 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     return in_format(model, choice, prefill), choice.describe() + prompts + quantized
 
 
+def return_freed_memory() -> None:
+    """Give the load's freed temporaries (the blocks before packing, a quantizer's arrays) back to the OS: glibc
+    keeps the free pages of a heap fragmented by the weights kept between them (hundreds of MB)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # not glibc
+        pass
+
+
 def prefill_dtype(requested: str, activations: torch.dtype, blocks_alone: bool) -> torch.dtype:
     """What the CPU engine's prompt rows compute in (engine/layers/prompt_rows.py). auto takes bf16 where it was
     measured to win (AMX: long prompts 3-4x faster) and keeps every greedy continuation of the accuracy set
@@ -196,6 +206,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # kernels launch on the current device: make it this engine's GPU
         self.block_size = config.block_size
         self.model, self.weight_format = load_model(config, model_dir, self.device)
+        return_freed_memory()
         self.dtype = self.model.embed_tokens.weight.dtype
         self.prefill_dtype = self.model.prefill_dtype
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +25,12 @@ from tritonllm.model_files import BLOCKS_FILE, GGUF_HEADS, GGUF_PROJECTIONS, UNC
 from tritonllm.engine.models.architecture import ModelArchitecture
 
 log = logging.getLogger(__name__)
+QUANTIZED_CHUNK = 1 << 20  # weights quantized at once (quantized_checkpoint)
 
 
 def checkpoint_state(model_dir: Path, arch: ModelArchitecture) -> dict[str, torch.Tensor]:
     """The directory's weights as a state dict of LlamaForCausalLM (float32), for any supported architecture."""
-    return _fuse_checkpoint(_read_safetensors(model_dir), arch)
+    return _fuse_checkpoint(_Safetensors(model_dir), arch)
 
 
 @dataclass(frozen=True)
@@ -155,21 +156,27 @@ def quantized_checkpoint(model_dir: Path, arch: ModelArchitecture, quantization:
         blocks[name] = _quantized(name, weight, qtype)
         return torch.empty(weight.shape, device="meta")
 
-    state = _fuse_checkpoint(_read_safetensors(model_dir), arch, quantized)
+    state = _fuse_checkpoint(_Safetensors(model_dir), arch, quantized)
     head_name = "embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
     head = _quantized(head_name, state[head_name], GGMLQuantizationType.Q8_0)
     if not arch.tie_word_embeddings:
         state[head_name] = torch.empty(state[head_name].shape, device="meta")
     layers = {i: [blocks[f"layers.{i}.{fused_name}.weight"] for fused_name, _, _ in _fused_projections(arch)]
               for i in range(arch.num_layers)}
-    return state, GgufBlocks(layers, head)
+    # what stays dense as copies of its own: a tensor read from safetensors may be a view of the file's mapping,
+    # which would keep all of the file mapped (and its pages read resident)
+    return {name: t if t.is_meta else t.clone() for name, t in state.items()}, GgufBlocks(layers, head)
 
 
 def _quantized(name: str, weight: torch.Tensor, qtype) -> BlockWeight:
+    """The weight's blocks, quantized a run of rows at a time (the quantizer's temporaries are several times the
+    weights it is given: an embedding's whole would be hundreds of MB)."""
     from tritonllm.gguf_blocks import quantized_blocks
 
+    rows = max(1, QUANTIZED_CHUNK // weight.shape[1])
     try:
-        return _block_weight(quantized_blocks(weight.numpy(), qtype))
+        parts = [_block_weight(quantized_blocks(chunk.numpy(), qtype)) for chunk in weight.split(rows)]
+        return parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)
     except ValueError as error:
         raise ValueError(f"quantization {qtype.name.lower()}: {name} [{weight.shape[0]} x {weight.shape[1]}] "
                          f"cannot be quantized: {error}") from None
@@ -236,22 +243,36 @@ def _log_uncovered(uncovered: dict[str, list[int]]) -> None:
                     weights / 1e6)
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    weights = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                weights[name] = handle.get_tensor(name)
-    return weights
+class _Safetensors(Mapping[str, torch.Tensor]):
+    """A directory's safetensors tensors by name, each read from its file when asked for: a load that converts
+    them one by one never holds the checkpoint twice."""
+
+    def __init__(self, model_dir: Path):
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        self.handles = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            self.handles.update({name: handle for name in handle.keys()})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.handles[name].get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's would read the tensor)
+        return name in self.handles
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.handles)
+
+    def __len__(self) -> int:
+        return len(self.handles)
 
 
 class _Checkpoint:
     """Tensors by their name with or without the `model.` prefix (both occur)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor]):
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
         self.weights = weights
 
     def key_of(self, name: str) -> str | None:
@@ -271,7 +292,7 @@ def _concatenated(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: ModelArchitecture,
+def _fuse_checkpoint(weights: Mapping[str, torch.Tensor], arch: ModelArchitecture,
                      fuse: Callable[[str, list[torch.Tensor]], torch.Tensor] = _concatenated
                      ) -> dict[str, torch.Tensor]:
     """Rename HF checkpoint tensors to our modules' names, concatenating q/k/v and gate/up (stacking the
