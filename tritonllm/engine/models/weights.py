@@ -137,10 +137,10 @@ def quantized_checkpoint(model_dir: Path, arch: ModelArchitecture, quantization:
                          ) -> tuple[dict[str, torch.Tensor], GgufBlocks]:
     """An HF directory's weights as checkpoint_state gives them, with every projection quantized at load to
     `quantization`'s blocks (config.QUANTIZATIONS) by llama.cpp's reference quantizer (gguf_blocks.quantized_blocks),
-    and the LM head (or the tied embedding, as the head) to Q8_0: llama.cpp's own type for a head whose width is no
-    multiple of 256 (Q6_K's), 8.5 bits a weight where the logits are most sensitive. Each projection is quantized as
-    it is read, and its weight in the state is a meta tensor: no dense copy of it stays (the embedding stays
-    float32: it is looked up)."""
+    and the LM head (or the tied embedding, as the head) to Q8_0 (llama.cpp's head is Q6_K, Q8_0 where the width is
+    no multiple of 256; gguf has no Q6_K quantizer): 8.5 bits a weight where the logits are most sensitive. Each
+    projection is quantized as it is read, and its weight in the state is a meta tensor: no dense copy of it stays
+    (the embedding stays float32: it is looked up)."""
     from gguf import GGMLQuantizationType
 
     if arch.is_moe:
