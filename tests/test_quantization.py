@@ -111,3 +111,17 @@ def test_what_cannot_be_quantized_is_refused(tmp_path, default_model_dir):
         registry.load_for_cpu(mixtral, "q4_0")
     with pytest.raises(ValueError, match="is for HF checkpoints: .* is a GGUF"):
         registry.load_for_cpu(default_model_dir, "q4_0")  # a GGUF's blocks are not quantized again
+
+
+def test_the_shipped_q4_1_weights_quantize_back_to_their_blocks(default_model_dir, tmp_path):
+    """The default model's HF checkpoint is its Q4_1 GGUF's weights, dequantized (the head's Q8_0 too): quantized
+    again to q4_1 they give back the file's own blocks, so the engine's logits are the GGUF's, bit for bit."""
+    hf_checkpoint = tmp_path / "hf"
+    hf_checkpoint.mkdir()
+    for path in default_model_dir.iterdir():
+        if path.is_file():  # not the directory of the GGUF's blocks
+            (hf_checkpoint / path.name).symlink_to(path)
+    gguf, _ = load_model(EngineConfig(weight_format="int4", prefill_dtype="float32"), default_model_dir,
+                         torch.device("cpu"))
+    quantized, _ = load_model(EngineConfig(quantization="q4_1"), hf_checkpoint, torch.device("cpu"))
+    assert torch.equal(prefill_logits(quantized, TOKENS), prefill_logits(gguf, TOKENS))
