@@ -111,6 +111,8 @@ def test_what_cannot_be_quantized_is_refused(tmp_path, default_model_dir):
         registry.load_for_cpu(mixtral, "q4_0")
     with pytest.raises(ValueError, match="is for HF checkpoints: .* is a GGUF"):
         registry.load_for_cpu(default_model_dir, "q4_0")  # a GGUF's blocks are not quantized again
+    with pytest.raises(ValueError, match="quantization q8_0 runs on the block kernels, with float32 activations"):
+        load_model(EngineConfig(quantization="q8_0", dtype="bfloat16"), mixtral, torch.device("cpu"))
 
 
 def test_the_shipped_q4_1_weights_quantize_back_to_their_blocks(default_model_dir, tmp_path):

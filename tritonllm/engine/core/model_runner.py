@@ -85,6 +85,9 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     if config.quantization != "none" and config.weight_format not in ("auto", *BLOCK_FORMATS):
         raise ValueError(f"quantization {config.quantization} makes blocks, which weight_format "
                          f"{config.weight_format} does not run: use auto, int4 or int4-q8")
+    if config.quantization != "none" and dtype not in (None, torch.float32):
+        raise ValueError(f"quantization {config.quantization} runs on the block kernels, with float32 activations "
+                         f"(int8 with int4-q8), not dtype {config.dtype}")
     if device.type != "cpu":
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
