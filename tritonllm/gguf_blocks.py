@@ -214,3 +214,18 @@ def _reference(raw: np.ndarray, qtype: Type) -> np.ndarray:
 def _dequantized(blocks: KernelBlocks) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         return blocks.dequantize()
+
+
+def quantized_blocks(weight: np.ndarray, qtype: Type) -> Int4Blocks | Q8Blocks | Q5Blocks:
+    """[rows, K] float32 weights quantized to `qtype` (Q8_0, Q4_0, Q4_1 or Q5_0) by llama.cpp's reference
+    quantizer (`gguf.quants.quantize` mirrors its quantize_row_*_ref), as the kernels' blocks: those bytes read as a
+    file's are, with the same check that they dequantize to exactly `gguf.quants.dequantize`'s numbers."""
+    rows, width = weight.shape
+    if width % BLOCK:
+        raise ValueError(f"{width} inputs are not whole blocks of {BLOCK}")
+    with np.errstate(invalid="ignore", over="ignore"):  # weights that are not finite fail the check below
+        raw = quants.quantize(np.ascontiguousarray(weight, np.float32), qtype)
+    blocks, _ = checked_blocks(raw, qtype, rows)
+    if blocks is None:
+        raise ValueError(f"its {qtype.name} blocks do not dequantize exactly (weights that are not finite?)")
+    return blocks

@@ -5,6 +5,7 @@ that matter (sampling positions, prompt chunks asked for) come back as logits an
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,8 @@ from tritonllm.engine.core.lora_slots import LoraSlotPool
 from tritonllm.engine.core.scheduler import ScheduledSequence
 from tritonllm.engine.core.sequence import Sequence
 from tritonllm.engine.layers.attention import AttentionMetadata
-from tritonllm.engine.layers.linear import (Choice, candidates, choose_format, cpu_has_amx, cpu_has_bf16, fastest_run,
-                                           onednn_available)
+from tritonllm.engine.layers.linear import (BLOCK_FORMATS, Choice, candidates, choose_format, cpu_has_amx, cpu_has_bf16,
+                                           fastest_run, onednn_available)
 from tritonllm.model_files import cpu_ops_dir
 from tritonllm.engine.layers.lora import LayerLora
 from tritonllm.engine.models import registry
@@ -79,6 +80,14 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     """The model with its projections in the configured weight format (on the CPU, auto: the fastest exact or
     near-exact one, measured); returns it with a description of the format."""
     dtype = resolve_dtype(config.dtype, device)
+    if config.quantization != "none" and device.type != "cpu":
+        raise ValueError(f"quantization {config.quantization} runs on the CPU only (on its block kernels)")
+    if config.quantization != "none" and config.weight_format not in ("auto", *BLOCK_FORMATS):
+        raise ValueError(f"quantization {config.quantization} makes blocks, which weight_format "
+                         f"{config.weight_format} does not run: use auto, int4 or int4-q8")
+    if config.quantization != "none" and dtype not in (None, torch.float32):
+        raise ValueError(f"quantization {config.quantization} runs on the block kernels, with float32 activations "
+                         f"(int8 with int4-q8), not dtype {config.dtype}")
     if device.type != "cpu":
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
@@ -87,7 +96,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
                              "in the activations' dtype)")
         return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
     cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
-    model, blocks = registry.load_for_cpu(model_dir)
+    model, blocks = registry.load_for_cpu(model_dir, config.quantization)
     blocks_alone = any(parameter.is_meta for parameter in model.parameters())  # a GGUF read without a dense copy
     options = candidates(config.weight_format, dtype, has_blocks=blocks is not None, blocks_alone=blocks_alone)
     if blocks_alone and not all(option.runs_blocks_alone for option in options):
@@ -107,7 +116,17 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         arch = model.arch
         prefill_attention_bf16.warm_up(arch.num_heads, arch.num_kv_heads, arch.head_dim)
     prompts = "" if prefill == torch.float32 else ", bfloat16 prompts"
-    return in_format(model, choice, prefill), choice.describe() + prompts
+    quantized = "" if config.quantization == "none" else f", quantized at load to {config.quantization}"
+    return in_format(model, choice, prefill), choice.describe() + prompts + quantized
+
+
+def return_freed_memory() -> None:
+    """Give the load's freed temporaries (the blocks before packing, a quantizer's arrays) back to the OS: glibc
+    keeps the free pages of a heap fragmented by the weights kept between them (hundreds of MB)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # not glibc
+        pass
 
 
 def prefill_dtype(requested: str, activations: torch.dtype, blocks_alone: bool) -> torch.dtype:
@@ -190,6 +209,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # kernels launch on the current device: make it this engine's GPU
         self.block_size = config.block_size
         self.model, self.weight_format = load_model(config, model_dir, self.device)
+        return_freed_memory()
         self.dtype = self.model.embed_tokens.weight.dtype
         self.prefill_dtype = self.model.prefill_dtype
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)

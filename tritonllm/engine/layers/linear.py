@@ -495,7 +495,7 @@ def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool, bloc
     (bfloat16; int4 on bf16 hardware without the CPU ops) change some greedy continuations: they run when asked for,
     by weight_format or by dtype=bfloat16 (then auto times those). A GGUF read as its blocks alone (blocks_alone:
     no dense copy of them was made) runs on them through the CPU ops where they are built, untimed: the file's own
-    numbers, exactly, and no dense copy to time the others on."""
+    numbers, exactly, and no dense copy to time the others on (an HF checkpoint quantized at load likewise)."""
     if requested not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight_format {requested!r} (choose from {', '.join(WEIGHT_FORMATS)})")
     if requested == "auto" and blocks_alone and (dtype or torch.float32) == torch.float32 and cpu_ops.available():
@@ -509,7 +509,8 @@ def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool, bloc
         if requested in BLOCK_FORMATS and not has_blocks:
             raise ValueError(f"weight_format {requested} serves a GGUF's own blocks; this model has none the kernels "
                              "run (it was not read from a llama or qwen3 GGUF with projections of a type they "
-                             "run: README's GGUF types)")
+                             "run, README's GGUF types, nor quantized at load from an HF checkpoint: set "
+                             "quantization)")
         if requested == "int4-q8" and not cpu_ops.available():
             raise ValueError("weight_format int4-q8 runs on the CPU ops, which could not be built here (no C "
                              "compiler, or TRITONLLM_CPU_OPS=0)")

@@ -24,7 +24,7 @@ from tritonllm.engine.layers.moe import SparseMoeMLP
 from tritonllm.engine.layers.norm import RMSNorm
 from tritonllm.engine.layers.rotary import RotaryEmbedding
 from tritonllm.engine.models.architecture import ModelArchitecture
-from tritonllm.engine.models.weights import GgufBlocks, checkpoint_state, gguf_checkpoint
+from tritonllm.engine.models.weights import GgufBlocks, checkpoint_state, gguf_checkpoint, quantized_checkpoint
 
 
 class LlamaAttention(nn.Module):
@@ -269,6 +269,15 @@ class LlamaForCausalLM(nn.Module):
         (its weight is on the meta device; dequantize_projections gives it one)."""
         arch = cls.architecture(config)
         state, blocks = gguf_checkpoint(gguf_path, arch, config["model_type"])
+        return cls._with_state(arch, state, None, torch.device("cpu")), blocks
+
+    @classmethod
+    def from_quantized(cls, model_dir: Path, config: dict, quantization: str
+                       ) -> tuple["LlamaForCausalLM", GgufBlocks]:
+        """This model (float32, on the CPU) with an HF directory's weights, its projections and LM head quantized at
+        load to llama.cpp's blocks (weights.quantized_checkpoint): those have their blocks only, as from_gguf's."""
+        arch = cls.architecture(config)
+        state, blocks = quantized_checkpoint(Path(model_dir), arch, quantization)
         return cls._with_state(arch, state, None, torch.device("cpu")), blocks
 
     @classmethod

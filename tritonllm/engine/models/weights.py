@@ -1,7 +1,8 @@
 """Checkpoint tensors → the models' parameters: reading an HF directory's safetensors, renaming them to our
 modules' names and fusing them (q/k/v into qkv, gate/up into gate_up, experts stacked), and the converted GGUF's
 blocks for the int4 weight formats; or reading a GGUF file itself (gguf_checkpoint): its blocks where the kernels
-run them, dequantized tensors for the rest, and no dense copy of what has blocks.
+run them, dequantized tensors for the rest, and no dense copy of what has blocks; or an HF directory's projections
+quantized at load to llama.cpp's blocks (quantized_checkpoint), likewise without a dense copy.
 
 Experts load from any of the checkpoint layouts: Mixtral's per-expert `block_sparse_moe.experts.E.w1/w2/w3`,
 Qwen3-MoE's per-expert `mlp.experts.E.gate_proj/up_proj/down_proj`, or the fused 3-D `mlp.experts.gate_up_proj`
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,18 +26,20 @@ from tritonllm.model_files import BLOCKS_FILE, GGUF_HEADS, GGUF_PROJECTIONS, UNC
 from tritonllm.engine.models.architecture import ModelArchitecture
 
 log = logging.getLogger(__name__)
+QUANTIZED_CHUNK = 1 << 20  # weights quantized at once (quantized_checkpoint)
 
 
 def checkpoint_state(model_dir: Path, arch: ModelArchitecture) -> dict[str, torch.Tensor]:
     """The directory's weights as a state dict of LlamaForCausalLM (float32), for any supported architecture."""
-    return _fuse_checkpoint(_read_safetensors(model_dir), arch)
+    return _fuse_checkpoint(_Safetensors(model_dir), arch)
 
 
 @dataclass(frozen=True)
 class GgufBlocks:
     """A converted GGUF's blocks that the kernels run: per layer, its fused projections' (as projection_weights
     orders them; a MixedWeight for one whose parts differ in kind, None for one without blocks), the LM head's (or
-    the tied embedding's) and the embedding's (looked up in them: layers/embedding.py)."""
+    the tied embedding's) and the embedding's (looked up in them: layers/embedding.py). An HF checkpoint quantized
+    at load has them too (quantized_checkpoint)."""
 
     layers: dict[int, list[BlockWeight | MixedWeight | None]]
     head: BlockWeight | None
@@ -80,7 +84,7 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
     numbers, as transformers' conversion gives them."""
     import gguf
 
-    from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, checked_blocks
+    from tritonllm.gguf_blocks import checked_blocks
 
     tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_path).tensors}
     uncovered: dict[str, list[int]] = {}
@@ -99,14 +103,7 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
                 count = uncovered.setdefault(tensor.tensor_type.name, [0, 0])
                 count[0], count[1] = count[0] + 1, count[1] + dense.size
             return None, dense
-        if isinstance(found, (Int4Blocks, Int5Blocks)):
-            kind = Q4Weight if isinstance(found, Int4Blocks) else Int5Weight
-            return kind(*(_tensor(a) for a in (found.q, found.d, found.m))), dense
-        if isinstance(found, Q8Blocks):
-            return Q8Weight(_tensor(found.blocks)), dense
-        if isinstance(found, Q5Blocks):
-            return Q5Weight(_tensor(found.blocks)), dense
-        return Q6Weight(_tensor(found.q), _tensor(found.d)), dense
+        return _block_weight(found), dense
 
     def vector(name: str) -> torch.Tensor:
         return _tensor(read(name)[1])
@@ -146,6 +143,69 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
             layers[i].append(_fused_blocks(blocks, rows, mixed))
     _log_uncovered(uncovered)
     return state, _gguf_blocks(layers, head, embedding, mixed)
+
+
+def quantized_checkpoint(model_dir: Path, arch: ModelArchitecture, quantization: str
+                         ) -> tuple[dict[str, torch.Tensor], GgufBlocks]:
+    """An HF directory's weights as checkpoint_state gives them, with every projection quantized at load to
+    `quantization`'s blocks (config.QUANTIZATIONS) by llama.cpp's reference quantizer (gguf_blocks.quantized_blocks),
+    and the LM head (or the tied embedding, as the head) to Q8_0 (llama.cpp's head is Q6_K, Q8_0 where the width is
+    no multiple of 256; gguf has no Q6_K quantizer): 8.5 bits a weight where the logits are most sensitive. Each
+    projection is quantized as it is read, and its weight in the state is a meta tensor: no dense copy of it stays
+    (the embedding stays float32: it is looked up)."""
+    from gguf import GGMLQuantizationType
+
+    if arch.is_moe:
+        raise ValueError(f"quantization {quantization} covers dense models (llama, qwen3): this model's experts are "
+                         "not quantized at load; leave quantization none")
+    qtype = GGMLQuantizationType[quantization.upper()]
+    blocks: dict[str, BlockWeight] = {}
+
+    def quantized(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        weight = _concatenated(name, parts)
+        if not name.endswith(".weight"):  # a bias
+            return weight
+        blocks[name] = _quantized(name, weight, qtype)
+        return torch.empty(weight.shape, device="meta")
+
+    state = _fuse_checkpoint(_Safetensors(model_dir), arch, quantized)
+    head_name = "embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    head = _quantized(head_name, state[head_name], GGMLQuantizationType.Q8_0)
+    if not arch.tie_word_embeddings:
+        state[head_name] = torch.empty(state[head_name].shape, device="meta")
+    layers = {i: [blocks[f"layers.{i}.{fused_name}.weight"] for fused_name, _, _ in _fused_projections(arch)]
+              for i in range(arch.num_layers)}
+    # what stays dense as copies of its own: a tensor read from safetensors may be a view of the file's mapping,
+    # which would keep all of the file mapped (and its pages read resident)
+    return {name: t if t.is_meta else t.clone() for name, t in state.items()}, GgufBlocks(layers, head, None)
+
+
+def _quantized(name: str, weight: torch.Tensor, qtype) -> BlockWeight:
+    """The weight's blocks, quantized a run of rows at a time (the quantizer's temporaries are several times the
+    weights it is given: an embedding's whole would be hundreds of MB)."""
+    from tritonllm.gguf_blocks import quantized_blocks
+
+    rows = max(1, QUANTIZED_CHUNK // weight.shape[1])
+    try:
+        parts = [_block_weight(quantized_blocks(chunk.numpy(), qtype)) for chunk in weight.split(rows)]
+        return parts[0] if len(parts) == 1 else type(parts[0]).concat(parts)
+    except ValueError as error:
+        raise ValueError(f"quantization {qtype.name.lower()}: {name} [{weight.shape[0]} x {weight.shape[1]}] "
+                         f"cannot be quantized: {error}") from None
+
+
+def _block_weight(found) -> BlockWeight:
+    """gguf_blocks's blocks as the kernels' weights (torch tensors)."""
+    from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks
+
+    if isinstance(found, (Int4Blocks, Int5Blocks)):
+        kind = Q4Weight if isinstance(found, Int4Blocks) else Int5Weight
+        return kind(*(_tensor(a) for a in (found.q, found.d, found.m)))
+    if isinstance(found, Q8Blocks):
+        return Q8Weight(_tensor(found.blocks))
+    if isinstance(found, Q5Blocks):
+        return Q5Weight(_tensor(found.blocks))
+    return Q6Weight(_tensor(found.q), _tensor(found.d))
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -196,22 +256,36 @@ def _log_uncovered(uncovered: dict[str, list[int]]) -> None:
                     weights / 1e6)
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    weights = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                weights[name] = handle.get_tensor(name)
-    return weights
+class _Safetensors(Mapping[str, torch.Tensor]):
+    """A directory's safetensors tensors by name, each read from its file when asked for: a load that converts
+    them one by one never holds the checkpoint twice."""
+
+    def __init__(self, model_dir: Path):
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        self.handles = {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            self.handles.update({name: handle for name in handle.keys()})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.handles[name].get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's would read the tensor)
+        return name in self.handles
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.handles)
+
+    def __len__(self) -> int:
+        return len(self.handles)
 
 
 class _Checkpoint:
     """Tensors by their name with or without the `model.` prefix (both occur)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor]):
+    def __init__(self, weights: Mapping[str, torch.Tensor]):
         self.weights = weights
 
     def key_of(self, name: str) -> str | None:
@@ -227,9 +301,15 @@ class _Checkpoint:
         return self.weights[key].float()
 
 
-def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: ModelArchitecture) -> dict[str, torch.Tensor]:
+def _concatenated(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _fuse_checkpoint(weights: Mapping[str, torch.Tensor], arch: ModelArchitecture,
+                     fuse: Callable[[str, list[torch.Tensor]], torch.Tensor] = _concatenated
+                     ) -> dict[str, torch.Tensor]:
     """Rename HF checkpoint tensors to our modules' names, concatenating q/k/v and gate/up (stacking the
-    experts)."""
+    experts); `fuse(name, parts)` makes each dense projection's weight and bias (of its parts' output rows)."""
     checkpoint = _Checkpoint(weights)
     take = checkpoint.take
     state = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
@@ -240,9 +320,10 @@ def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: ModelArchitecture) 
         state[f"{p}.input_layernorm.weight"] = take(f"{p}.input_layernorm.weight")
         state[f"{p}.post_attention_layernorm.weight"] = take(f"{p}.post_attention_layernorm.weight")
         for suffix in (("weight", "bias") if arch.attention_bias else ("weight",)):
-            state[f"{p}.self_attn.qkv_proj.{suffix}"] = torch.cat(
-                [take(f"{p}.self_attn.{n}_proj.{suffix}") for n in "qkv"])
-            state[f"{p}.self_attn.o_proj.{suffix}"] = take(f"{p}.self_attn.o_proj.{suffix}")
+            name = f"{p}.self_attn.qkv_proj.{suffix}"
+            state[name] = fuse(name, [take(f"{p}.self_attn.{n}_proj.{suffix}") for n in "qkv"])
+            name = f"{p}.self_attn.o_proj.{suffix}"
+            state[name] = fuse(name, [take(name)])
         if arch.qk_norm:
             for norm in ("q_norm", "k_norm"):
                 state[f"{p}.self_attn.{norm}.weight"] = take(f"{p}.self_attn.{norm}.weight")
@@ -251,9 +332,10 @@ def _fuse_checkpoint(weights: dict[str, torch.Tensor], arch: ModelArchitecture) 
                           for name, tensor in _expert_weights(checkpoint, p, arch.num_experts).items()})
             continue
         for suffix in (("weight", "bias") if arch.mlp_bias else ("weight",)):
-            state[f"{p}.mlp.gate_up_proj.{suffix}"] = torch.cat(
-                [take(f"{p}.mlp.gate_proj.{suffix}"), take(f"{p}.mlp.up_proj.{suffix}")])
-            state[f"{p}.mlp.down_proj.{suffix}"] = take(f"{p}.mlp.down_proj.{suffix}")
+            name = f"{p}.mlp.gate_up_proj.{suffix}"
+            state[name] = fuse(name, [take(f"{p}.mlp.gate_proj.{suffix}"), take(f"{p}.mlp.up_proj.{suffix}")])
+            name = f"{p}.mlp.down_proj.{suffix}"
+            state[name] = fuse(name, [take(name)])
     return state
 
 
