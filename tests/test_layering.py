@@ -18,7 +18,8 @@ ENGINE_PARTS = {"tritonllm.engine.config", "tritonllm.engine.layers", "tritonllm
 ALLOWED = {
     "tritonllm.interface": set(),
     "tritonllm.kernels": set(),
-    "tritonllm.gguf_blocks": set(),
+    "tritonllm.k_quants": set(),
+    "tritonllm.gguf_blocks": {"tritonllm.k_quants"},
     "tritonllm.model_files": {"tritonllm.gguf_blocks"},
     "tritonllm.parent_death": set(),
     "tritonllm.engine.config": {"tritonllm.interface"},

@@ -32,6 +32,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Type
 from gguf import quants
 
+from tritonllm.k_quants import SUPER_BLOCK, quantize_q4_k
+
 BLOCK = 32  # the kernels' block of inputs
 INT4_TYPES = (Type.Q4_0, Type.Q4_1, Type.Q4_K)
 INT5_TYPES = (Type.Q5_1, Type.Q5_K)
@@ -216,15 +218,24 @@ def _dequantized(blocks: KernelBlocks) -> np.ndarray:
         return blocks.dequantize()
 
 
+def quantization_type(qtype: Type, width: int) -> Type:
+    """The type a tensor of `width` inputs is quantized to for `qtype`: llama-quantize's fallback where a K-quant's
+    super-blocks of 256 do not fit (Q4_K → Q5_0)."""
+    return Type.Q5_0 if qtype == Type.Q4_K and width % SUPER_BLOCK else qtype
+
+
 def quantized_blocks(weight: np.ndarray, qtype: Type) -> Int4Blocks | Q8Blocks | Q5Blocks:
-    """[rows, K] float32 weights quantized to `qtype` (Q8_0, Q4_0, Q4_1 or Q5_0) by llama.cpp's reference
-    quantizer (`gguf.quants.quantize` mirrors its quantize_row_*_ref), as the kernels' blocks: those bytes read as a
-    file's are, with the same check that they dequantize to exactly `gguf.quants.dequantize`'s numbers."""
+    """[rows, K] float32 weights quantized to `qtype` (Q8_0, Q4_0, Q4_1, Q5_0 or Q4_K) by llama.cpp's reference
+    quantizer (`gguf.quants.quantize` mirrors its quantize_row_*_ref; tritonllm/k_quants.py its Q4_K), as the
+    kernels' blocks: those bytes read as a file's are, with the same check that they dequantize to exactly
+    `gguf.quants.dequantize`'s numbers."""
     rows, width = weight.shape
-    if width % BLOCK:
-        raise ValueError(f"{width} inputs are not whole blocks of {BLOCK}")
+    size = SUPER_BLOCK if qtype == Type.Q4_K else BLOCK
+    if width % size:
+        raise ValueError(f"{width} inputs are not whole blocks of {size}")
+    weight = np.ascontiguousarray(weight, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):  # weights that are not finite fail the check below
-        raw = quants.quantize(np.ascontiguousarray(weight, np.float32), qtype)
+        raw = quantize_q4_k(weight) if qtype == Type.Q4_K else quants.quantize(weight, qtype)
     blocks, _ = checked_blocks(raw, qtype, rows)
     if blocks is None:
         raise ValueError(f"its {qtype.name} blocks do not dequantize exactly (weights that are not finite?)")

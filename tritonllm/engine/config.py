@@ -17,7 +17,7 @@ WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "int
 KV_CACHE_DTYPES = ("auto", "float16")  # tritonllm/engine/core/model_runner.py: kv_cache_dtype
 PREFILL_DTYPES = ("auto", "float32", "bfloat16")  # tritonllm/engine/layers/prompt_rows.py
 # llama.cpp's block types an HF checkpoint may be quantized to at load (tritonllm/engine/models/weights.py)
-QUANTIZATIONS = ("none", "q8_0", "q4_0", "q4_1", "q5_0")
+QUANTIZATIONS = ("none", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k")
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -65,7 +65,8 @@ class EngineConfig:
                                  choices=WEIGHT_FORMATS)
     quantization: str = setting("none", "an HF checkpoint's projections quantized at load to llama.cpp's blocks "
                                         "(its reference quantizers; the LM head to q8_0), run as a GGUF's blocks by "
-                                        "the int4 or int4-q8 weight format: q8_0, q4_0, q4_1, q5_0; none: as stored",
+                                        "the int4 or int4-q8 weight format: q8_0, q4_0, q4_1, q5_0, q4_k (q5_0 "
+                                        "where a width is no multiple of 256, as llama-quantize); none: as stored",
                                 choices=QUANTIZATIONS)
     prefill_dtype: str = setting("auto", "the CPU engine's prompt tokens: float32 (exact: the bits decoding them "
                                          "would give), bfloat16 (their projections and attention on the CPU's bf16 "

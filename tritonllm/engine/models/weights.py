@@ -158,17 +158,27 @@ def quantized_checkpoint(model_dir: Path, arch: ModelArchitecture, quantization:
     if arch.is_moe:
         raise ValueError(f"quantization {quantization} covers dense models (llama, qwen3): this model's experts are "
                          "not quantized at load; leave quantization none")
+    from tritonllm.gguf_blocks import quantization_type
+
     qtype = GGMLQuantizationType[quantization.upper()]
     blocks: dict[str, BlockWeight] = {}
+    fallen_back: list[str] = []  # what llama-quantize would quantize to another type (its blocks do not fit)
 
     def quantized(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         weight = _concatenated(name, parts)
         if not name.endswith(".weight"):  # a bias
             return weight
-        blocks[name] = _quantized(name, weight, qtype)
+        fitting = quantization_type(qtype, weight.shape[1])
+        if fitting != qtype:
+            fallen_back.append(name)
+        blocks[name] = _quantized(name, weight, fitting)
         return torch.empty(weight.shape, device="meta")
 
     state = _fuse_checkpoint(_Safetensors(model_dir), arch, quantized)
+    if fallen_back:
+        log.info("quantization %s: %d projections whose inputs are no multiple of 256 are %s, as llama-quantize "
+                 "falls back (e.g. %s)", quantization, len(fallen_back),
+                 quantization_type(qtype, 1).name.lower(), fallen_back[0])
     head_name = "embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
     head = _quantized(head_name, state[head_name], GGMLQuantizationType.Q8_0)
     if not arch.tie_word_embeddings:
