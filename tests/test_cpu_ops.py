@@ -496,6 +496,7 @@ def test_a_cpu_they_are_not_written_for_runs_the_references_with_one_log_line(mo
         "(slower)"]
     caplog.clear()
     monkeypatch.setattr(cpu.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu, "MARCH", "native")
     monkeypatch.setattr(cpu, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 avx")  # an x86 CPU before AVX2
     with caplog.at_level(logging.WARNING, logger=cpu.__name__):
         assert cpu.build(tmp_path) is None
