@@ -64,6 +64,7 @@ build_llama_server() {
   fi
   rm -rf "$LLAMA_DIR"
   cp -r "$sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp" "$LLAMA_DIR"
+  rm -rf "$LLAMA_DIR/build"  # a build made in the unpacked sdist (its cache names that tree)
   local flags
   flags=$(llama_cpu_flags)
   echo "llama-server: building with $flags"
