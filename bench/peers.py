@@ -39,7 +39,7 @@ memory are reported too: the peak over the run of its processes' summed resident
 With `--gguf` or `--hf`, the memory roofline of one stream is printed: the bytes a decode step reads (every weight
 tensor of the file once, the embedding table only where it is also the LM head) against the read bandwidth measured
 here at start (the best of a few sums over a 1 GiB array with `--threads` threads), and each server's one-stream
-decode rate as a share of it.
+decode rate as a share of it (not ours with `--quantization`: it reads its own blocks then).
 
 `--isa avx2` runs everything on the code paths of a CPU with AVX2/FMA but no AVX-512 (most 2-core cloud boxes) on a
 CPU that has more: torch's own kernels, oneDNN, MKL and fbgemm are capped at AVX2 by their environment variables,
@@ -652,7 +652,8 @@ def main() -> None:
                                              for n, ratio in by_level.items()))
     if roofline and 1 in levels:
         print(f"\none stream against the memory roofline ({roofline:.1f} tok/s): " + ", ".join(
-            f"{server_label(result)} {result.runs[1].decode_rate / roofline:.0%}" for result in results))
+            f"{server_label(result)} {result.runs[1].decode_rate / roofline:.0%}" for result in results
+            if not (args.quantization and result.server == OURS)))  # (ours then reads its own blocks, not the file)
     prefilled = [result for result in results if result.prefills]  # (not the in-process engine)
     compared_prefills = prefill_ratios(prefilled, args.prompt_tokens) if prompts else {}
     if prompts:
