@@ -10,12 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Type
+from gguf import quants
 
 from tritonllm import kernels
 from tritonllm.model_files import cpu_ops_dir
 from tritonllm.kernels import cpu
+from tritonllm.kernels.cpu import super_blocks
 from tritonllm.kernels.activation import silu_and_mul_reference
 from tritonllm.kernels.decode_attention import paged_decode_attention_reference
 from tritonllm.kernels.kv_cache import store_kv_cache_reference
@@ -23,6 +27,7 @@ from tritonllm.kernels.prefill_attention import prefill_attention_reference
 from tritonllm.kernels.rms_norm import rms_norm_reference
 from tritonllm.kernels.rotary import rotary_embedding_reference
 from tritonllm.kernels.sampling import sample_tokens_reference
+from gguf_models import random_blocks
 
 CLOSE = {"atol": 2e-5, "rtol": 2e-5}
 CACHE_DTYPES = [torch.float32, torch.float16]  # the KV cache's (kv_cache_dtype auto on the CPU, float16)
@@ -121,31 +126,39 @@ def test_q8_matmul_rows_do_not_depend_on_the_batch():
             assert torch.equal(cpu.q8_matmul(x[start:start + size], packed), together[start:start + size])
 
 
-def _q6(rows: int, width: int):
-    """Random Q6_K-shaped weights as q6_matmul's blocks: int8 codes in -32..31, an fp32 scale per 16 (an fp16 times
-    an int8, as Q6_K's d · sc), and the float32 weights they stand for."""
-    q = torch.randint(-32, 32, (rows, width), dtype=torch.int8)
-    d = (torch.rand(rows, width // 16) * 1e-3).half().float() * torch.randint(-128, 128, (rows, width // 16))
-    return cpu.pack_q6(q, d), d.repeat_interleave(16, 1) * q
+def _super_blocks(qtype, rows: int, width: int):
+    """Random Q4_K or Q6_K super-blocks as a GGUF stores them (the kernels' own layout) and `gguf.quants.dequantize`'s
+    float32 weights of them."""
+    raw = random_blocks(qtype, rows, width, np.random.default_rng(rows + width))
+    dense = torch.from_numpy(quants.dequantize(raw, qtype).reshape(rows, width).astype(np.float32))
+    return torch.from_numpy(raw.reshape(rows, width // 256, -1)), dense
 
 
-@pytest.mark.parametrize("rows, width", [(4, 32), (7, 96), (577, 576)])
+SUPER_BLOCK_OPS = {Type.Q4_K: (cpu.q4_k_matmul, super_blocks.dequantize_q4_k),
+                   Type.Q6_K: (cpu.q6_k_matmul, super_blocks.dequantize_q6_k)}
+
+
+@pytest.mark.parametrize("qtype", SUPER_BLOCK_OPS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows, width", [(4, 256), (7, 768), (577, 1536)])
 @pytest.mark.parametrize("tokens", [1, 5, 70])
-def test_q6_matmul_is_the_dequantized_weights_in_float32(rows, width, tokens):
-    packed, dense = _q6(rows, width)
-    assert packed.shape == (rows, width // 32, 40)
+def test_super_block_matmuls_are_ggufs_dequantized_weights_in_float32(qtype, rows, width, tokens):
+    op, reference = SUPER_BLOCK_OPS[qtype]
+    blocks, dense = _super_blocks(qtype, rows, width)
+    assert torch.equal(reference(blocks), dense)  # the torch reference reads the layout as gguf does
     x = torch.randn(tokens, width)
-    torch.testing.assert_close(cpu.q6_matmul(x, packed), x @ dense.T, atol=1e-4, rtol=1e-4)
-    assert torch.equal(cpu.q6_matmul(torch.eye(width), packed).T, dense)  # each weight read back, to the bit
+    torch.testing.assert_close(op(x, blocks), x @ dense.T, atol=1e-4, rtol=1e-4)
+    assert torch.equal(op(torch.eye(width), blocks).T, dense)  # each weight read back, to the bit
 
 
-def test_q6_matmul_rows_do_not_depend_on_the_batch():
-    packed, _ = _q6(131, 576)
-    x = torch.randn(37, 576)
-    together = cpu.q6_matmul(x, packed)
+@pytest.mark.parametrize("qtype", SUPER_BLOCK_OPS, ids=lambda t: t.name)
+def test_super_block_matmul_rows_do_not_depend_on_the_batch(qtype):
+    op, _ = SUPER_BLOCK_OPS[qtype]
+    blocks, _ = _super_blocks(qtype, 131, 512)
+    x = torch.randn(37, 512)
+    together = op(x, blocks)
     for size in (1, 3, 9):
         for start in range(0, len(x) - size + 1, 7):
-            assert torch.equal(cpu.q6_matmul(x[start:start + size], packed), together[start:start + size])
+            assert torch.equal(op(x[start:start + size], blocks), together[start:start + size])
 
 
 def _q8_activations(x: torch.Tensor):
@@ -468,6 +481,8 @@ def test_the_bindings_refuse_tensors_the_c_would_misread():
                lambda: cpu.q4_matmul(torch.randn(3, 48), packed),  # not whole blocks
                lambda: cpu.q4_matmul(x[:, None], packed),
                lambda: cpu.q8_matmul(x, packed),  # int4 blocks read as Q8_0 ones
+               lambda: cpu.q6_k_matmul(torch.randn(3, 256), _super_blocks(Type.Q4_K, 8, 256)[0]),  # Q4_K as Q6_K
+               lambda: cpu.q4_k_matmul(x, packed),  # not whole super-blocks
                lambda: cpu.q4_matmul(x, torch.cat([packed, packed], dim=-1)[..., :24]),  # strided weights
                lambda: cpu.q4_q8_matmul(x, cpu.pack_q4_rows(*_q4_parts(8, 64)), 40),  # rows it does not hold
                lambda: cpu.rms_norm(x, torch.ones(32), 1e-6),

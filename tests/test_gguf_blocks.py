@@ -1,6 +1,6 @@
-"""GGUF files run on their own blocks: Q4_0, Q4_1 and Q4_K repacked exactly onto the int4 kernels, Q5_1 and Q5_K
-onto the int5 one, Q8_0 and Q5_0 as stored on kernels of their own (Q5_0 as Q8_0 for int8 activations), Q6_K on a
-kernel of its own, for llama and qwen3 files; what the kernels compute
+"""GGUF files run on their own blocks: Q4_0 and Q4_1 repacked exactly onto the int4 kernels, Q5_1 and Q5_K
+onto the int5 one, Q8_0, Q5_0, Q4_K and Q6_K as stored on kernels of their own (Q5_0 as Q8_0 and Q4_K as int4 for
+int8 activations), for llama and qwen3 files; what the kernels compute
 is `gguf.quants.dequantize`'s weights to the bit; a type without a kernel runs dequantized, said once in the log;
 the engine's logits are the dense model's. A file is read as it is, without a dense copy on disk or in memory,
 to the same logits as its dense conversion with the blocks beside it."""
@@ -23,9 +23,10 @@ from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.engine.models import registry
 from tritonllm.engine.models import weights as weights_module
 from tritonllm import gguf_blocks
-from tritonllm.gguf_blocks import COVERED_TYPES, Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, kernel_blocks
+from tritonllm.gguf_blocks import COVERED_TYPES, Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, SuperBlocks, kernel_blocks
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.kernels import cpu as cpu_ops
+from tritonllm.kernels.cpu import super_blocks
 from tritonllm.model_files import GGUF_LINK, convert_gguf, cpu_ops_dir
 from engine_helpers import generate, prefill_logits
 from gguf_models import MIXED_TYPES, random_blocks, write_tiny_gguf
@@ -56,7 +57,8 @@ def test_the_kernels_compute_with_ggufs_own_dequantized_weights(qtype):
     elif isinstance(blocks, Q5Blocks):
         weight, kind = linear.Q5Weight(torch.from_numpy(blocks.blocks)), "Q5"
     else:
-        weight, kind = linear.Q6Weight(torch.from_numpy(blocks.q), torch.from_numpy(blocks.d)), "Q6"
+        assert isinstance(blocks, SuperBlocks) and blocks.kind == qtype.name.lower()
+        weight, kind = linear.SuperBlockWeight(blocks.kind, torch.from_numpy(blocks.blocks)), "SuperBlock"
     projection = linear.Choice("int4", torch.float32, "cpu_ops").make(reference, None, weight)
     assert type(projection).__name__ == f"{kind}Projection"
     assert torch.equal(_identity_outputs(projection, WIDTH), reference)  # to the bit (±0 aside)
@@ -69,17 +71,21 @@ def test_the_kernels_compute_with_ggufs_own_dequantized_weights(qtype):
         assert type(as_q8).__name__ == "Q8Projection" and torch.equal(as_q8(x), projection(x))
         assert type(linear.Choice("int4-q8", torch.float32, "cpu_ops").make(reference, None, weight)
                     ).__name__ == "Q8Projection"
+    if qtype == Type.Q4_K:  # for the integer kernels, int4 blocks of the same numbers
+        assert torch.equal(weight.as_q4().dequantize(), reference)
+        assert type(linear.Choice("int4-q8", torch.float32, "cpu_ops").make(reference, None, weight)
+                    ).__name__ == "Q4Projection"
 
 
-def test_q4_k_sub_blocks_are_scale_and_min():
+def test_q4_k_blocks_are_scale_and_min():
     """Q4_K's (d·sc)·q − dmin·mn as int4's d'·q + m', with d' and m' rounded once to fp32 as gguf rounds them."""
-    raw = random_blocks(Type.Q4_K, 2, 256, np.random.default_rng(2))
-    blocks = kernel_blocks(raw, Type.Q4_K, 2)
-    d, dmin = (raw.reshape(2, 144)[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)
-               for offset in (0, 2))
+    raw = random_blocks(Type.Q4_K, 2, 256, np.random.default_rng(2)).reshape(2, 1, 144)
+    _, d, m = super_blocks.q4_k_scale_min(torch.from_numpy(raw))
+    scale, scale_min = (raw[..., offset:offset + 2].copy().view(np.float16).astype(np.float32).reshape(2, 1)
+                        for offset in (0, 2))
     sc, mn = quants.Q4_K.get_scale_min(raw.reshape(2, 144)[:, 4:16])
-    assert np.array_equal(blocks.d, d * sc.astype(np.float32))
-    assert np.array_equal(blocks.m, -(dmin * mn.astype(np.float32)))
+    assert np.array_equal(d.numpy(), scale * sc.astype(np.float32))
+    assert np.array_equal(m.numpy(), -(scale_min * mn.astype(np.float32)))
 
 
 def test_a_type_without_kernel_or_inexact_blocks_is_refused():

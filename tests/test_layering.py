@@ -19,7 +19,7 @@ ALLOWED = {
     "tritonllm.interface": set(),
     "tritonllm.kernels": set(),
     "tritonllm.k_quants": set(),
-    "tritonllm.gguf_blocks": {"tritonllm.k_quants"},
+    "tritonllm.gguf_blocks": {"tritonllm.k_quants", "tritonllm.kernels"},  # kernels: the super-blocks' layouts
     "tritonllm.model_files": {"tritonllm.gguf_blocks"},
     "tritonllm.parent_death": set(),
     "tritonllm.engine.config": {"tritonllm.interface"},

@@ -34,11 +34,11 @@ TOKENS = list(range(100, 140))
 # models of tests/tiny_models.py; the llama's untied head is Q8_0 in every format). One projection's blocks shifted
 # by a row, or the int4 scales read transposed, adds at least a third to it (checked by hand).
 # q4_k: these models' widths (64, 96, 128) are no multiple of 256, so every projection falls back to q5_0, as
-# llama-quantize's do (test_q4_k_runs_on_the_int4_kernels_where_its_super_blocks_fit has ones that fit).
+# llama-quantize's do (test_q4_k_runs_on_its_kernel_where_its_super_blocks_fit has ones that fit).
 STATED_ERROR = {"llama": {"q8_0": 0.0055, "q4_0": 0.0259, "q4_1": 0.0221, "q5_0": 0.0125, "q4_k": 0.0125},
                 "qwen3": {"q8_0": 0.0102, "q4_0": 0.129, "q4_1": 0.129, "q5_0": 0.0607, "q4_k": 0.0607}}
 
-# q4_k on test_q4_k_runs_on_the_int4_kernels_where_its_super_blocks_fit's llama, as measured (there q4_0 gives 0.187,
+# q4_k on test_q4_k_runs_on_its_kernel_where_its_super_blocks_fit's llama, as measured (there q4_0 gives 0.187,
 # q4_1 0.167, q5_0 0.085, q8_0 0.013)
 Q4_K_ERROR = 0.144
 
@@ -99,9 +99,9 @@ def test_q4_k_is_llama_quantizes_own_bytes():
         "2bb39c8d0cf7331b3abc223046fd5719516c8e903250e0941a3cce29380653f0")
 
 
-def test_q4_k_runs_on_the_int4_kernels_where_its_super_blocks_fit(tmp_path, default_model_dir, caplog):
-    """A llama whose hidden width is 256 (its MLP's 512): q4_k keeps Q4_K blocks there (int4 blocks: a scale and a
-    min per 32), each projection the file's numbers; the logits stay near float32's."""
+def test_q4_k_runs_on_its_kernel_where_its_super_blocks_fit(tmp_path, default_model_dir, caplog):
+    """A llama whose hidden width is 256 (its MLP's 512): q4_k keeps Q4_K super-blocks there (the Q4_K kernel's),
+    each projection llama-quantize's numbers; the logits stay near float32's."""
     config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_attention_heads=4,
                          num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_q4_k_runs_on_the_int4_kernels_where_its_super_blocks_fit(tmp_path, defa
     dense, _ = registry.load_for_cpu(tmp_path)
     for i in range(2):
         for block, weight in zip(blocks.layers[i], dense.projection_weights(i)):
-            assert isinstance(block, linear.Q4Weight)
+            assert isinstance(block, linear.SuperBlockWeight) and block.kind == "q4_k"
             assert torch.equal(block.dequantize(), torch.from_numpy(_llama_cpp_quantized(weight.detach().numpy(), "q4_k")))
     assert not any("falls back" in record.getMessage() for record in caplog.records)
     quantized, _ = load_model(EngineConfig(quantization="q4_k"), tmp_path, torch.device("cpu"))

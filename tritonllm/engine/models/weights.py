@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from tritonllm.engine.layers.linear import (BlockWeight, Int5Weight, MixedWeight, Q4Weight, Q5Weight, Q6Weight,
-                                           Q8Weight)
+from tritonllm.engine.layers.linear import (SUPER_BLOCK_DEQUANTIZE, BlockWeight, Int5Weight, MixedWeight, Q4Weight,
+                                           Q5Weight, Q8Weight, SuperBlockWeight)
 from tritonllm.model_files import BLOCKS_FILE, GGUF_HEADS, GGUF_PROJECTIONS, UNCOVERED_METADATA, llama_rotary_order
 from tritonllm.engine.models.architecture import ModelArchitecture
 
@@ -63,8 +63,9 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | N
                 return Q5Weight(handle.get_tensor(f"{key}.q5_0"))
             if f"{key}.int5_codes" in names:
                 return Int5Weight(*(handle.get_tensor(f"{key}.int5_{p}") for p in ("codes", "scales", "mins")))
-            if f"{key}.q6_codes" in names:
-                return Q6Weight(handle.get_tensor(f"{key}.q6_codes"), handle.get_tensor(f"{key}.q6_scales"))
+            for kind in SUPER_BLOCK_DEQUANTIZE:
+                if f"{key}.{kind}" in names:
+                    return SuperBlockWeight(kind, handle.get_tensor(f"{key}.{kind}"))
             return Q4Weight(*(handle.get_tensor(f"{key}.{p}") for p in "qdm")) if f"{key}.q" in names else None
 
         mixed = []  # fused projections whose parts have blocks of different kinds, or some none
@@ -206,7 +207,7 @@ def _quantized(name: str, weight: torch.Tensor, qtype) -> BlockWeight:
 
 def _block_weight(found) -> BlockWeight:
     """gguf_blocks's blocks as the kernels' weights (torch tensors)."""
-    from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks
+    from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, SuperBlocks
 
     if isinstance(found, (Int4Blocks, Int5Blocks)):
         kind = Q4Weight if isinstance(found, Int4Blocks) else Int5Weight
@@ -215,7 +216,8 @@ def _block_weight(found) -> BlockWeight:
         return Q8Weight(_tensor(found.blocks))
     if isinstance(found, Q5Blocks):
         return Q5Weight(_tensor(found.blocks))
-    return Q6Weight(_tensor(found.q), _tensor(found.d))
+    assert isinstance(found, SuperBlocks)
+    return SuperBlockWeight(found.kind, _tensor(found.blocks))
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tritonllm.kernels.cpu.super_blocks import Q4_K_BYTES, Q6_K_BYTES, SUPER_BLOCK
 from tritonllm.kernels.decode_attention import paged_decode_attention_reference
 from tritonllm.kernels.kv_cache import store_kv_cache_reference
 from tritonllm.kernels.prefill_attention import prefill_attention_reference
@@ -36,8 +37,9 @@ SOURCE_DIR = Path(__file__).parent  # *.c (one concept each) and their headers, 
 MARCH = os.environ.get("TRITONLLM_CPU_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 QUANT_BLOCK = 32  # as in quant_matmul.c
-# quant_matmul.c's bytes a block of 32 inputs (per row; the int8-activation ops' per group of GROUP_ROWS rows)
-Q4_BYTES, Q5_1_BYTES, Q8_BYTES, Q5_BYTES, Q6_BYTES = 24, 28, 34, 22, 40
+# quant_matmul.c's bytes a block of 32 inputs (per row; the int8-activation ops' per group of GROUP_ROWS rows), and
+# a K-quant super-block's of SUPER_BLOCK (super_blocks.py)
+Q4_BYTES, Q5_1_BYTES, Q8_BYTES, Q5_BYTES = 24, 28, 34, 22
 Q4_GROUP_BYTES, Q8_GROUP_BYTES = 4 * 64 + 64, 8 * 64 + 32
 X86_MACHINES = ("x86_64", "AMD64")  # the C ops are written with x86 intrinsics
 
@@ -47,7 +49,8 @@ SIGNATURES = {
     "q5_1_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q5_matmul": [_p, _i64, _i64, _p, _i64, _p],
-    "q6_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q4_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q6_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
@@ -179,15 +182,6 @@ def pack_q5_as_q8(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks[..., :2], codes.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
 
 
-def pack_q6(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """int8 codes q [out, in] and fp32 scales d [out, in / 16] (a GGUF's Q6_K: w = d · q) → q6_matmul's blocks
-    [out, in / 32, 40] uint8: the block's two scales, then its 32 codes."""
-    rows, width = q.shape
-    scales = d.float().contiguous().view(torch.uint8).view(rows, width // QUANT_BLOCK, 8)
-    return torch.cat([scales, q.to(torch.int8).view(torch.uint8).view(rows, width // QUANT_BLOCK, QUANT_BLOCK)],
-                     dim=-1).contiguous()
-
-
 def pack_q8_exact(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] as Q8_0 blocks [out, in / 32, 34] uint8 (fp16 d, then 32 int8 codes: w = d · q), or None
     unless those blocks hold it exactly: a GGUF's Q8_0 tensor dequantized comes back to its own blocks (llama.cpp
@@ -256,13 +250,13 @@ def _checked_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int |
 
 
 def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int, block_bytes: int,
-                  group_rows: int = 1) -> torch.Tensor:
-    """x [tokens, in] float32 @ weights [rows, in].T in blocks of `block_bytes` per 32 inputs, per row or (for the
-    int8-activation ops) per group of `group_rows` rows."""
+                  group_rows: int = 1, block_inputs: int = QUANT_BLOCK) -> torch.Tensor:
+    """x [tokens, in] float32 @ weights [rows, in].T in blocks of `block_bytes` per `block_inputs` inputs, per row or
+    (for the int8-activation ops) per group of `group_rows` rows."""
     _checked(x, "x", torch.float32, (None, None))
-    if x.shape[1] % QUANT_BLOCK:
-        raise ValueError(f"x: {x.shape[1]} inputs, not a multiple of {QUANT_BLOCK}")
-    _checked(packed, "weights", torch.uint8, (-(-rows // group_rows), x.shape[1] // QUANT_BLOCK, block_bytes))
+    if x.shape[1] % block_inputs:
+        raise ValueError(f"x: {x.shape[1]} inputs, not a multiple of {block_inputs}")
+    _checked(packed, "weights", torch.uint8, (-(-rows // group_rows), x.shape[1] // block_inputs, block_bytes))
     if not packed.is_contiguous():
         raise ValueError("weights: not contiguous (pack them once, at load)")
     x = x.contiguous()
@@ -292,9 +286,16 @@ def q5_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return _block_matmul(_library.q5_matmul, x, blocks, blocks.shape[0], Q5_BYTES)
 
 
-def q6_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [tokens, in] float32 @ pack_q6's weights [out, in].T → [tokens, out]."""
-    return _block_matmul(_library.q6_matmul, x, packed, packed.shape[0], Q6_BYTES)
+def q4_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ a GGUF's Q4_K super-blocks [out, in / 256, 144] uint8, as the file stores them, .T
+    → [tokens, out] (super_blocks.dequantize_q4_k's weights)."""
+    return _block_matmul(_library.q4_k_matmul, x, blocks, blocks.shape[0], Q4_K_BYTES, block_inputs=SUPER_BLOCK)
+
+
+def q6_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ a GGUF's Q6_K super-blocks [out, in / 256, 210] uint8, as the file stores them, .T
+    → [tokens, out] (super_blocks.dequantize_q6_k's weights)."""
+    return _block_matmul(_library.q6_k_matmul, x, blocks, blocks.shape[0], Q6_K_BYTES, block_inputs=SUPER_BLOCK)
 
 
 def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
@@ -465,7 +466,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ---- a whole decode forward ----
 
 # llama_decode.c's enum: what a projection part's blocks are
-BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6": 2, "q5_0": 3, "int5": 4}
+BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5}
 PROJECTION_PARTS = 3  # most parts of one fused projection (qkv)
 
 

@@ -1,10 +1,10 @@
 #include "cpu_ops.h"
 
 /* ---- projections over the checkpoint's quantized blocks: y[T][N] = x[T][K] . W[N][K]^T ----
- * int4 (a GGUF's Q4_0, Q4_1, Q4_K, repacked exactly at load): w = d * q + m per block of 32 inputs; int5 (Q5_1,
- * Q5_K, likewise): the same with 5-bit q; Q8_0: w = d * q,
- * q signed; Q5_0 (as the GGUF stores it): w = d * (q - 16), q of 5 bits; Q6 (a GGUF's Q6_K, repacked exactly):
- * w = d * q, q signed, a scale per 16 inputs.
+ * int4 (a GGUF's Q4_0, Q4_1, repacked exactly at load): w = d * q + m per block of 32 inputs; int5 (Q5_1,
+ * Q5_K, likewise): the same with 5-bit q; Q8_0: w = d * q, q signed; Q5_0 (as the GGUF stores it):
+ * w = d * (q - 16), q of 5 bits; Q4_K and Q6_K as the GGUF stores them (super-blocks of 256 inputs: 8 blocks of
+ * 32 whose scales are decoded in the kernel, so a weight costs the file's bits, 4.5 and 6.56).
  * Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
 
 #define QUANT_BLOCK 32
@@ -14,8 +14,11 @@
 #define Q5_1_BYTES 28 /* int5: fp32 d, fp32 m, 4 bytes of fifth bits (element j: bit j), 16 of nibbles as Q4_1's */
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 #define Q5_0_BYTES 22 /* fp16 d, 4 bytes of high bits (element j: bit j), 16 bytes: element j low, j + 16 high */
-#define Q6_BYTES 40   /* fp32 d of inputs 0..15 and of 16..31 (Q6_K's d * sc: 19 bits, exact in fp32), 32 signed
-                       * bytes (Q6_K's q - 32): d * q is gguf's own product */
+#define Q4_K_BYTES 144 /* a super-block: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles */
+#define Q6_K_BYTES 210 /* a super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d */
+#define SUPER_BLOCKS 8 /* a K-quant super-block's blocks of 32 */
+#define Q4_K_UNIT 2    /* blocks dequantized at once: those sharing their bytes */
+#define Q6_K_UNIT 4
 
 /* A Q8_0 block's fp16 scale as a float. A vector conversion (of it and the first two codes): a scalar one merges
  * into its destination register, which chains every block to the one before. */
@@ -32,9 +35,14 @@ static inline float block_scale(const uint8_t *block) {
 }
 
 #define BLOCK_VECTORS (QUANT_BLOCK / VLEN)
+#define SCALE_TABLE 16 /* floats: a super-block's scales decoded once per row and super-block (K-quants) */
+
+/* The formats of one block per "super-block" keep their scales in each block. */
+static inline void no_scales(const uint8_t *block, float *table) { (void)block, (void)table; }
 
 /* A block's 32 weights as BLOCK_VECTORS vectors (in registers, once inlined). */
-static inline void dequantize_q4_1(const uint8_t *block, vf *out) {
+static inline void dequantize_q4_1(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
     float d, m;
     memcpy(&d, block, 4);
     memcpy(&m, block + 4, 4);
@@ -56,7 +64,8 @@ static inline void dequantize_q4_1(const uint8_t *block, vf *out) {
 #endif
 }
 
-static inline void dequantize_q8_0(const uint8_t *block, vf *out) {
+static inline void dequantize_q8_0(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
     const vf dv = splat(block_scale(block));
     for (int i = 0; i < QUANT_BLOCK; i += VLEN) {
 #if VLEN == 16 /* intrinsics: GCC scalarizes the conversion of signed bytes */
@@ -69,7 +78,8 @@ static inline void dequantize_q8_0(const uint8_t *block, vf *out) {
     }
 }
 
-static inline void dequantize_q5_0(const uint8_t *block, vf *out) {
+static inline void dequantize_q5_0(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
     const vf dv = splat(block_scale(block));
     uint32_t high;
     memcpy(&high, block + 2, 4);
@@ -100,7 +110,8 @@ static inline void dequantize_q5_0(const uint8_t *block, vf *out) {
 #endif
 }
 
-static inline void dequantize_q5_1(const uint8_t *block, vf *out) {
+static inline void dequantize_q5_1(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
     float d, m;
     memcpy(&d, block, 4);
     memcpy(&m, block + 4, 4);
@@ -133,19 +144,92 @@ static inline void dequantize_q5_1(const uint8_t *block, vf *out) {
 #endif
 }
 
-static inline void dequantize_q6(const uint8_t *block, vf *out) {
-    float scales[2];
-    memcpy(scales, block, 8);
-    for (int i = 0; i < QUANT_BLOCK; i += VLEN) {
-        const vf dv = splat(scales[i / 16]);
+/* Q4_K: w = (d * sc) * q - dmin * mn per block of 32, with 6-bit sc, mn packed in 12 bytes (gguf's
+ * get_scale_min); d * sc and dmin * mn are rounded once to fp32 as gguf rounds them (the table: 8 d', then 8 m' =
+ * -dmin * mn), then d' * q (exact: 17 + 4 bits) + m' as int4's dequantize_q4_1. */
+static inline void q4_k_scales(const uint8_t *super, float *table) {
+    uint32_t packed[3];
+    memcpy(packed, super + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    const uint32_t sc[2] = {packed[0] & low6, (packed[2] & low4) | ((packed[0] >> 6) & top2) << 4};
+    const uint32_t mn[2] = {packed[1] & low6, ((packed[2] >> 4) & low4) | ((packed[1] >> 6) & top2) << 4};
+    const __m256 d = _mm256_set1_ps(block_scale(super)), dmin = _mm256_set1_ps(block_scale(super + 2));
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+    _mm256_storeu_ps(table, _mm256_mul_ps(d, scales));
+    _mm256_storeu_ps(table + 8, _mm256_xor_ps(_mm256_mul_ps(dmin, mins), _mm256_set1_ps(-0.0f)));
+}
+
+/* Blocks j and j + 1 (j even): the low and high nibbles of bytes 16 + 16j .. + 31. */
+static inline void dequantize_q4_k(const uint8_t *super, int j, const float *table, vf *out) {
+    const uint8_t *bytes = super + 16 + 16 * j;
 #if VLEN == 16
-        const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 8 + i));
-        out[i / VLEN] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * dv;
-#else
-        const __m128i codes = _mm_loadl_epi64((const __m128i *)(block + 8 + i));
-        out[i / VLEN] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * dv;
-#endif
+    /* each weight looked up in its block's 16 values d' * k + m' (one rounding, as the product is exact) */
+    const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const __m512 low = (__m512)(iota * splat(table[j]) + splat(table[8 + j]));
+    const __m512 high = (__m512)(iota * splat(table[j + 1]) + splat(table[9 + j]));
+    for (int h = 0; h < 2; h++) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * h)));
+        out[h] = (vf)_mm512_permutexvar_ps(codes, low); /* the index's low 4 bits: the low nibble */
+        out[2 + h] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), high);
     }
+#else
+    const vf dv[2] = {splat(table[j]), splat(table[j + 1])}, mv[2] = {splat(table[8 + j]), splat(table[9 + j])};
+    for (int v = 0; v < BLOCK_VECTORS; v++) {
+        const vi codes = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + v * VLEN)));
+        out[v] = __builtin_convertvector(codes & 15, vf) * dv[0] + mv[0];
+        out[BLOCK_VECTORS + v] = __builtin_convertvector(codes >> 4, vf) * dv[1] + mv[1];
+    }
+#endif
+}
+
+/* Q6_K (16 blocks of 16 in gguf's terms): w = (d * sc) * (q - 32), 6-bit q as a low nibble and a high bit pair,
+ * int8 sc per 16 inputs; d * sc rounded once to fp32 as gguf rounds it (the table: 16 d'). Our block j = 4n + k of
+ * half n: the low nibbles (k < 2) or high ones of bytes 64n + 32(k % 2) .., bits 2k of bytes 128 + 32n .. */
+static inline void q6_k_scales(const uint8_t *super, float *table) {
+    const __m128i scales = _mm_loadu_si128((const __m128i *)(super + 192));
+    const __m256 d = _mm256_set1_ps(block_scale(super + 208));
+    _mm256_storeu_ps(table, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))));
+    _mm256_storeu_ps(table + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)))));
+}
+
+/* Blocks j .. j + 3 (j = 4n: half n): the codes in bytes, then VLEN at a time widened, times their 16's d'. */
+static inline void dequantize_q6_k(const uint8_t *super, int j, const float *table, vf *out) {
+    const int n = j / 4;
+    const uint8_t *low = super + 64 * n, *high = super + 128 + 32 * n;
+#if VLEN == 16
+    /* blocks 4n, 4n + 1 from the low nibbles of 64 bytes, 4n + 2, 4n + 3 from their high ones; block k's high bit
+     * pairs are bits 2k of the same 32 bytes (shifted per 256-bit half: vpsrlvw) */
+    const __m512i bits = _mm512_loadu_si512(low), nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3);
+    const __m512i tops = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)high));
+    const __m512i offset = _mm512_set1_epi8(32);
+    const __m512i shifts[2] = {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1),
+                               _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
+    const __m512i nibbles[2] = {_mm512_and_si512(bits, nibble), _mm512_and_si512(_mm512_srli_epi16(bits, 4), nibble)};
+    for (int p = 0; p < 2; p++) { /* blocks 4n + 2p, 4n + 2p + 1 */
+        const __m512i pairs = _mm512_and_si512(_mm512_srlv_epi16(tops, shifts[p]), pair);
+        const __m512i codes = _mm512_sub_epi8(_mm512_or_si512(nibbles[p], _mm512_slli_epi16(pairs, 4)), offset);
+        for (int q = 0; q < 4; q++) { /* 16 codes, one scale */
+            const __m128i part = _mm512_extracti32x4_epi32(codes, q);
+            out[4 * p + q] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part)) * splat(table[8 * n + 4 * p + q]);
+        }
+    }
+#else
+    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+    const __m256i tops = _mm256_loadu_si256((const __m256i *)high);
+    for (int k = 0; k < 4; k++) { /* block 4n + k: 32 codes at once, the low 4 bits, the high 2, less 32 */
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(low + 32 * (k % 2)));
+        const __m256i nibbles = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(bits, 4) : bits, nibble);
+        const __m256i pairs = _mm256_and_si256(_mm256_srli_epi16(tops, 2 * k), pair);
+        const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_slli_epi16(pairs, 4)), offset);
+        for (int v = 0; v < BLOCK_VECTORS; v++) {
+            const __m128i half = v < 2 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1);
+            const __m128i part = v % 2 ? _mm_srli_si128(half, 8) : half;
+            out[k * BLOCK_VECTORS + v] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part))
+                                       * splat(table[8 * n + 2 * k + v / 2]);
+        }
+    }
+#endif
 }
 
 /* rows x tokens dot products over K from the dequantized rows w[rows][K]: every (row, token) pair accumulates
@@ -196,31 +280,39 @@ MICROKERNEL(1, 1)
  * it). The same products summed in the same order as TILE(ROWS, 1) over the dequantized rows: the same bits. */
 #define ONE_TOKEN_(NAME, ROWS) NAME##_one_token_##ROWS
 #define ONE_TOKEN(NAME, ROWS) ONE_TOKEN_(NAME, ROWS)
-#define ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, ROWS)                                                  \
+#define ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT, ROWS)                              \
     static inline void ONE_TOKEN(NAME, ROWS)(const uint8_t *rows, int64_t row_bytes, int64_t blocks,          \
                                              const float *x, float *y) {                                       \
         vf acc[ROWS];                                                                                           \
         for (int r = 0; r < ROWS; r++) acc[r] = (vf){0};                                                        \
-        for (int64_t b = 0; b < blocks; b++) {                                                                  \
-            vf xv[BLOCK_VECTORS];                                                                               \
-            for (int i = 0; i < BLOCK_VECTORS; i++) xv[i] = load(x + b * QUANT_BLOCK + i * VLEN);              \
+        for (int64_t s = 0; s < blocks / (SUB); s++) {                                                          \
+            float table[ROWS][SCALE_TABLE];                                                                     \
             for (int r = 0; r < ROWS; r++) {                                                                    \
-                const uint8_t *block = rows + r * row_bytes + b * (BLOCK_BYTES);                                \
-                __builtin_prefetch(block + PREFETCH_AHEAD, 0, 3);                                               \
-                vf w[BLOCK_VECTORS];                                                                            \
-                DEQUANTIZE(block, w);                                                                           \
-                for (int i = 0; i < BLOCK_VECTORS; i++) acc[r] += w[i] * xv[i];                                 \
+                const uint8_t *super = rows + r * row_bytes + s * (SUPER_BYTES);                                \
+                __builtin_prefetch(super + PREFETCH_AHEAD, 0, 3);                                               \
+                SCALES(super, table[r]);                                                                        \
+            }                                                                                                   \
+            _Pragma("GCC unroll 8") for (int j = 0; j < (SUB); j += (UNIT)) {                                   \
+                const int64_t b = s * (SUB) + j;                                                                \
+                vf xv[(UNIT) * BLOCK_VECTORS];                                                                  \
+                for (int i = 0; i < (UNIT) * BLOCK_VECTORS; i++) xv[i] = load(x + b * QUANT_BLOCK + i * VLEN); \
+                for (int r = 0; r < ROWS; r++) {                                                                \
+                    vf w[(UNIT) * BLOCK_VECTORS];                                                               \
+                    DEQUANTIZE(rows + r * row_bytes + s * (SUPER_BYTES), j, table[r], w);                       \
+                    for (int i = 0; i < (UNIT) * BLOCK_VECTORS; i++) acc[r] += w[i] * xv[i];                    \
+                }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
         for (int r = 0; r < ROWS; r++) y[r] = lane_sum(acc[r]);                                                 \
     }
 
-/* NAME(x, T, K, weights, N, y): weights [N][K / 32] blocks of BLOCK_BYTES; K a multiple of 32 (and so of VLEN). */
-#define BLOCK_MATMUL(NAME, DEQUANTIZE, BLOCK_BYTES)                                                              \
-    ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, ROW_TILE)                                                    \
-    ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, BLOCK_BYTES, 1)                                                           \
+/* NAME(x, T, K, weights, N, y): weights [N][K / (32 SUB)] (super-)blocks of SUPER_BYTES, each SUB blocks of 32
+ * inputs; K a multiple of 32 SUB (and so of VLEN). */
+#define BLOCK_MATMUL(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT)                                           \
+    ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT, ROW_TILE)                                 \
+    ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT, 1)                                        \
     void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {            \
-        const int64_t blocks = K / QUANT_BLOCK, row_bytes = blocks * (BLOCK_BYTES);                             \
+        const int64_t blocks = K / QUANT_BLOCK, row_bytes = blocks / (SUB) * (SUPER_BYTES);                \
         const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;                                                    \
         if (T == 1) {                                                                                           \
             _Pragma("omp parallel for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {         \
@@ -245,12 +337,18 @@ MICROKERNEL(1, 1)
                     const int64_t rows = N - n0 < ROW_TILE ? N - n0 : ROW_TILE;                                 \
                     for (int64_t r = 0; r < rows; r++) {                                                        \
                         const uint8_t *row = weights + (n0 + r) * row_bytes;                                    \
-                        for (int64_t b = 0; b < blocks; b++) {                                                  \
-                            __builtin_prefetch(row + b * (BLOCK_BYTES) + PREFETCH_AHEAD, 0, 3);                 \
-                            vf dequantized[BLOCK_VECTORS];                                                      \
-                            DEQUANTIZE(row + b * (BLOCK_BYTES), dequantized);                                   \
-                            for (int i = 0; i < BLOCK_VECTORS; i++)                                             \
-                                store(w + r * K + b * QUANT_BLOCK + i * VLEN, dequantized[i]);                  \
+                        for (int64_t s = 0; s < blocks / (SUB); s++) {                                          \
+                            const uint8_t *super = row + s * (SUPER_BYTES);                                     \
+                            __builtin_prefetch(super + PREFETCH_AHEAD, 0, 3);                                   \
+                            float table[SCALE_TABLE];                                                           \
+                            SCALES(super, table);                                                               \
+                            for (int j = 0; j < (SUB); j += (UNIT)) {                                           \
+                                vf dequantized[(UNIT) * BLOCK_VECTORS];                                         \
+                                DEQUANTIZE(super, j, table, dequantized);                                       \
+                                float *out = w + r * K + (s * (SUB) + j) * QUANT_BLOCK;                         \
+                                for (int i = 0; i < (UNIT) * BLOCK_VECTORS; i++)                                \
+                                    store(out + i * VLEN, dequantized[i]);                                      \
+                            }                                                                                   \
                         }                                                                                       \
                     }                                                                                           \
                     if (rows == ROW_TILE) {                                                                     \
@@ -272,11 +370,12 @@ MICROKERNEL(1, 1)
         }                                                                                                       \
     }
 
-BLOCK_MATMUL(q4_matmul, dequantize_q4_1, Q4_1_BYTES)
-BLOCK_MATMUL(q5_1_matmul, dequantize_q5_1, Q5_1_BYTES)
-BLOCK_MATMUL(q8_matmul, dequantize_q8_0, Q8_0_BYTES)
-BLOCK_MATMUL(q5_matmul, dequantize_q5_0, Q5_0_BYTES)
-BLOCK_MATMUL(q6_matmul, dequantize_q6, Q6_BYTES)
+BLOCK_MATMUL(q4_matmul, dequantize_q4_1, no_scales, Q4_1_BYTES, 1, 1)
+BLOCK_MATMUL(q5_1_matmul, dequantize_q5_1, no_scales, Q5_1_BYTES, 1, 1)
+BLOCK_MATMUL(q8_matmul, dequantize_q8_0, no_scales, Q8_0_BYTES, 1, 1)
+BLOCK_MATMUL(q5_matmul, dequantize_q5_0, no_scales, Q5_0_BYTES, 1, 1)
+BLOCK_MATMUL(q4_k_matmul, dequantize_q4_k, q4_k_scales, Q4_K_BYTES, SUPER_BLOCKS, Q4_K_UNIT)
+BLOCK_MATMUL(q6_k_matmul, dequantize_q6_k, q6_k_scales, Q6_K_BYTES, SUPER_BLOCKS, Q6_K_UNIT)
 
 /* ---- the same projections with int8 activations, llama.cpp's way (its Q8_1 activations): each token's inputs
  * are quantized per block of 32 to codes qx = round(x / dx), |qx| <= 127, with the block's own scale dx = absmax /

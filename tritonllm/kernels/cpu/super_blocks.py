@@ -1,0 +1,64 @@
+"""A GGUF's K-quant super-blocks as the CPU ops read them (q4_k_matmul, q6_k_matmul: the file's own bytes), in
+torch: the references those kernels are tested against, and what the engine unpacks them to where another kernel
+runs them (the int8-activation kernels, torch's int4 one, an embedding's rows).
+
+- Q4_K, 144 bytes per 256 inputs: fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc and mins mn for its 8 blocks of 32,
+  128 bytes of codes (blocks 2c and 2c + 1: the low and high nibbles of bytes 32c ..). w = d' · q + m' with
+  d' = fl32(d · sc), m' = −fl32(dmin · mn), as gguf rounds them (d' · q is exact: 17 + 4 bits).
+- Q6_K, 210 bytes per 256 inputs: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16), fp16
+  d. w = d' · (q − 32) with d' = fl32(d · sc), gguf's product."""
+
+from __future__ import annotations
+
+import torch
+
+SUPER_BLOCK = 256  # a K-quant super-block's inputs
+Q4_K_BYTES, Q6_K_BYTES = 144, 210
+BLOCK = 32
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of each super-block, as float32 [..., 1]."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n] → codes [..., 2n]: the low nibbles, then the high ones."""
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
+
+
+def q4_k_scale_min(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks [rows, in / 256, 144] uint8 → int4 codes q [rows, in] uint8 and d', m' [rows, in / 32]
+    float32 (w = d' · q + m' per block of 32)."""
+    rows, count = blocks.shape[:2]
+    s = blocks[..., 4:16].to(torch.int32)
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
+    d = (_half(blocks, 0) * sc.float()).reshape(rows, -1)
+    m = -(_half(blocks, 2) * mn.float()).reshape(rows, -1)
+    q = _nibbles(blocks[..., 16:].reshape(rows, count, 4, 32)).reshape(rows, -1)
+    return q, d, m
+
+
+def q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks [rows, in / 256, 210] uint8 → codes q − 32 [rows, in] int8 and d' [rows, in / 16] float32
+    (w = d' · code per 16 inputs)."""
+    rows, count = blocks.shape[:2]
+    low = _nibbles(blocks[..., :128].reshape(rows, count, 2, 64))  # [.., 2, 128]: input 128h + j's low 4 bits
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    high = (blocks[..., 128:192].reshape(rows, count, 2, 1, 32) >> shifts) & 3
+    q = (low | (high.reshape(rows, count, 2, 128) << 4)).to(torch.int8) - 32
+    d = _half(blocks, 208) * blocks[..., 192:208].contiguous().view(torch.int8).float()
+    return q.reshape(rows, -1), d.reshape(rows, -1)
+
+
+def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """[rows, in] float32: d' · q, then + m', each rounded (gguf's numbers)."""
+    q, d, m = q4_k_scale_min(blocks)
+    return d.repeat_interleave(BLOCK, 1) * q.float() + m.repeat_interleave(BLOCK, 1)
+
+
+def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """[rows, in] float32: d' · code (gguf's numbers)."""
+    q, d = q6_k_codes(blocks)
+    return d.repeat_interleave(16, 1) * q.float()
