@@ -127,7 +127,7 @@ def test_q8_matmul_rows_do_not_depend_on_the_batch():
 
 
 def _super_blocks(qtype, rows: int, width: int):
-    """Random Q4_K or Q6_K super-blocks as a GGUF stores them (the kernels' own layout) and `gguf.quants.dequantize`'s
+    """Random Q4_K, Q5_K or Q6_K super-blocks as a GGUF stores them (the kernels' own layout) and `gguf.quants.dequantize`'s
     float32 weights of them."""
     raw = random_blocks(qtype, rows, width, np.random.default_rng(rows + width))
     dense = torch.from_numpy(quants.dequantize(raw, qtype).reshape(rows, width).astype(np.float32))
@@ -135,6 +135,7 @@ def _super_blocks(qtype, rows: int, width: int):
 
 
 SUPER_BLOCK_OPS = {Type.Q4_K: (cpu.q4_k_matmul, super_blocks.dequantize_q4_k),
+                   Type.Q5_K: (cpu.q5_k_matmul, super_blocks.dequantize_q5_k),
                    Type.Q6_K: (cpu.q6_k_matmul, super_blocks.dequantize_q6_k)}
 
 

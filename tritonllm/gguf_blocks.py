@@ -6,16 +6,14 @@ codes q and fp32 d, m. Two GGUF types are exactly that shape:
 - Q4_1: w = d · q + m (fp16 d, m widened to fp32);
 - Q4_0: w = d · (q − 8) = d · q + (−8d) (−8d is exact in fp32, and d · q too: an fp16 times a 4-bit integer).
 
-The int5 kernel computes the same with 5-bit codes, and two GGUF types are exactly its shape: Q5_1 (w = d · q + m,
-fp16 d, m widened) and Q5_K (a super-block of 256 is 8 blocks of 32, each w = (d · sc) · q − (dmin · mn) with
-6-bit sc, mn: d' = fl32(d · sc) and m' = −fl32(dmin · mn), as gguf computes them, give d' · q + m', the same
-single rounding of an exact product: d' has at most 17 significant bits, q 5).
+The int5 kernel computes the same with 5-bit codes, and Q5_1 is exactly its shape (w = d · q + m, fp16 d, m
+widened).
 
 Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are, and so do
 Q5_0's (fp16 d, the 32 codes' fifth bits, their low nibbles: w = d · (q − 16)), the Q5_0 kernel's (for the integer
-kernels, with int8 activations, they are repacked as Q8_0 blocks of codes q − 16: the same numbers). Q4_K's and
-Q6_K's super-blocks stay as the file stores them too: their kernels decode the scales
-(tritonllm/kernels/cpu/super_blocks.py says how), so a weight costs the file's 4.5 and 6.56 bits.
+kernels, with int8 activations, they are repacked as Q8_0 blocks of codes q − 16: the same numbers). Q4_K's, Q5_K's
+and Q6_K's super-blocks stay as the file stores them too: their kernels decode the scales
+(tritonllm/kernels/cpu/super_blocks.py says how), so a weight costs the file's 4.5, 5.5 and 6.56 bits.
 
 `gguf.quants.dequantize` is the reference for every type: `kernel_blocks` returns a tensor's blocks only when they
 dequantize to exactly its numbers (the sign of a zero aside: Q4_0's d · 0 may be −0 where d · 8 − 8d is +0, and
@@ -36,10 +34,11 @@ from tritonllm.kernels.cpu import super_blocks
 
 BLOCK = 32  # the kernels' block of inputs
 INT4_TYPES = (Type.Q4_0, Type.Q4_1)
-INT5_TYPES = (Type.Q5_1, Type.Q5_K)
+INT5_TYPES = (Type.Q5_1,)
 Q8_TYPES = (Type.Q8_0,)
 Q5_TYPES = (Type.Q5_0,)
-SUPER_BLOCK_TYPES = {Type.Q4_K: super_blocks.dequantize_q4_k, Type.Q6_K: super_blocks.dequantize_q6_k}
+SUPER_BLOCK_TYPES = {Type.Q4_K: super_blocks.dequantize_q4_k, Type.Q5_K: super_blocks.dequantize_q5_k,
+                     Type.Q6_K: super_blocks.dequantize_q6_k}
 COVERED_TYPES = INT4_TYPES + INT5_TYPES + Q8_TYPES + Q5_TYPES + tuple(SUPER_BLOCK_TYPES)
 CHECK_ROWS = 4096  # rows checked at a time against gguf's dequantization (the load's transient memory)
 
@@ -60,11 +59,11 @@ class ScaleMinBlocks:
 
 
 class Int4Blocks(ScaleMinBlocks):
-    """Codes in 0..15: Q4_0, Q4_1, Q4_K."""
+    """Codes in 0..15: Q4_0, Q4_1."""
 
 
 class Int5Blocks(ScaleMinBlocks):
-    """Codes in 0..31: Q5_1, Q5_K."""
+    """Codes in 0..31: Q5_1."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ def _half(block: np.ndarray, start: int) -> np.ndarray:
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """Bytes [..., n] → codes [..., 2n]: the low nibbles, then the high ones (Q4_0/Q4_1/Q4_K's order)."""
+    """Bytes [..., n] → codes [..., 2n]: the low nibbles, then the high ones (Q4_0/Q4_1/Q5_1.s order)."""
     return np.concatenate([packed & 0xF, packed >> 4], axis=-1)
 
 
@@ -134,18 +133,7 @@ def _int4_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int4Blocks:
     return Int4Blocks(_nibbles(block[..., size - 16:]).reshape(rows, -1), d, m)
 
 
-def _int5_blocks(raw: np.ndarray, qtype: Type, rows: int) -> Int5Blocks:
-    if qtype == Type.Q5_K:
-        # fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 32 bytes of fifth bits (sub-block i's are bit i of
-        # bytes 0..31), 128 of low nibbles (as Q4_K's)
-        block = raw.reshape(rows, -1, 176)
-        count = block.shape[1]
-        sc, mn = quants.Q4_K.get_scale_min(block[..., 4:16].reshape(-1, 12))
-        d = (_half(block, 0) * sc.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
-        m = -(_half(block, 2) * mn.reshape(rows, count, 8).astype(np.float32)).reshape(rows, -1)
-        low = _nibbles(block[..., 48:].reshape(rows, count, 4, 32)).reshape(rows, count, 8, 32)
-        fifth = (block[..., 16:48].reshape(rows, count, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-        return Int5Blocks((low | (fifth << 4)).reshape(rows, -1), d, m)
+def _int5_blocks(raw: np.ndarray, rows: int) -> Int5Blocks:
     block = raw.reshape(rows, -1, 24)  # fp16 d, fp16 m, 32 fifth bits (element j's is bit j), 16 bytes of nibbles
     fifth = (block[..., 4:8].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
     codes = _nibbles(block[..., 8:]) | (fifth.astype(np.uint8) << 4)
@@ -170,7 +158,7 @@ def checked_blocks(raw: np.ndarray, qtype: Type, rows: int,
     if qtype in INT4_TYPES:
         blocks = _int4_blocks(codes, qtype, rows)
     elif qtype in INT5_TYPES:
-        blocks = _int5_blocks(codes, qtype, rows)
+        blocks = _int5_blocks(codes, rows)
     elif qtype == Type.Q8_0:
         blocks = Q8Blocks(codes.reshape(rows, -1, 34).copy())
     elif qtype == Type.Q5_0:

@@ -13,7 +13,7 @@ checkpoint:
 |---|---|---|---|---|
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
-| int4 | the GGUF's own blocks: Q4_0, Q4_1 as int4 blocks (scale d, zero m per 32 weights, fp32), Q5_1, Q5_K as int5 blocks (likewise), Q8_0, Q5_0, Q4_K and Q6_K as they are (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
+| int4 | the GGUF's own blocks: Q4_0, Q4_1 as int4 blocks (scale d, zero m per 32 weights, fp32), Q5_1 as int5 blocks (likewise), Q8_0, Q5_0, Q4_K, Q5_K and Q6_K as they are (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
 | int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (Q4_K as int4 blocks; int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one) | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
@@ -112,7 +112,7 @@ class Q4Weight(ScaleMinWeight):
 
 
 class Int5Weight(ScaleMinWeight):
-    """int5: codes in 0..31 (a GGUF's Q5_1 and Q5_K blocks)."""
+    """int5: codes in 0..31 (a GGUF's Q5_1 blocks)."""
 
 
 @dataclass(frozen=True)
@@ -165,10 +165,10 @@ class Q5Weight:
 
 @dataclass(frozen=True)
 class SuperBlockWeight:
-    """A projection's weights as a GGUF's Q4_K or Q6_K super-blocks [out, in / 256, bytes] uint8, as the file stores
-    them (kernels/cpu/super_blocks.py: their layouts)."""
+    """A projection's weights as a GGUF's Q4_K, Q5_K or Q6_K super-blocks [out, in / 256, bytes] uint8, as the file
+    stores them (kernels/cpu/super_blocks.py: their layouts)."""
 
-    kind: str  # q4_k, q6_k
+    kind: str  # q4_k, q5_k, q6_k
     blocks: torch.Tensor
 
     @staticmethod
@@ -192,8 +192,9 @@ class SuperBlockWeight:
         return self.blocks.shape[0], self.blocks.shape[1] * super_blocks.SUPER_BLOCK
 
 
-SUPER_BLOCK_DEQUANTIZE = {"q4_k": super_blocks.dequantize_q4_k, "q6_k": super_blocks.dequantize_q6_k}
-SUPER_BLOCK_MATMUL = {"q4_k": cpu_ops.q4_k_matmul, "q6_k": cpu_ops.q6_k_matmul}
+SUPER_BLOCK_DEQUANTIZE = {"q4_k": super_blocks.dequantize_q4_k, "q5_k": super_blocks.dequantize_q5_k,
+                          "q6_k": super_blocks.dequantize_q6_k}
+SUPER_BLOCK_MATMUL = {"q4_k": cpu_ops.q4_k_matmul, "q5_k": cpu_ops.q5_k_matmul, "q6_k": cpu_ops.q6_k_matmul}
 
 
 BlockWeight = Q4Weight | Int5Weight | Q8Weight | Q5Weight | SuperBlockWeight
@@ -333,7 +334,7 @@ class Q4Projection(Projection):
 
 
 class Int5Projection(Projection):
-    """int5 blocks (a GGUF's Q5_1 and Q5_K: 7 bits a weight with the scales widened to fp32): the CPU ops' kernel
+    """int5 blocks (a GGUF's Q5_1: 7 bits a weight with the scales widened to fp32): the CPU ops' kernel
     dequantizes w = d · q + m per block in registers and multiplies in fp32 (int4-q8 too: no integer kernel for
     them yet)."""
 
@@ -385,9 +386,9 @@ class Q5Projection(Projection):
 
 
 class SuperBlockProjection(Projection):
-    """Q4_K or Q6_K weights as the GGUF stores them (4.5 and 6.56 bits a weight): the CPU ops' kernel decodes a
-    super-block's scales once per row, dequantizes its blocks in registers and multiplies in fp32 (a Q6_K one with
-    int4-q8 too: no integer kernel for it yet)."""
+    """Q4_K, Q5_K or Q6_K weights as the GGUF stores them (4.5, 5.5 and 6.56 bits a weight): the CPU ops' kernel
+    decodes a super-block's scales once per row, dequantizes its blocks in registers and multiplies in fp32 (Q5_K and
+    Q6_K with int4-q8 too: no integer kernel for them yet)."""
 
     def __init__(self, weight: SuperBlockWeight, bias: torch.Tensor | None):
         super().__init__(bias)

@@ -241,7 +241,7 @@ def _fused_blocks(parts: list[BlockWeight | None], rows: list[int],
     is added to `mixed`)."""
     runs: list[tuple[list[BlockWeight | None], int]] = []
     for part, part_rows in zip(parts, rows):
-        if runs and type(runs[-1][0][0]) is type(part):
+        if runs and _kind(runs[-1][0][0]) == _kind(part):
             runs[-1] = (runs[-1][0] + [part], runs[-1][1] + part_rows)
         else:
             runs.append(([part], part_rows))
@@ -250,6 +250,11 @@ def _fused_blocks(parts: list[BlockWeight | None], rows: list[int],
         return joined[0]
     mixed.append(parts)
     return MixedWeight(tuple(joined), tuple(part_rows for _, part_rows in runs))
+
+
+def _kind(weight: BlockWeight | None) -> tuple:
+    """What parts must share to run as one kernel's weights: their class (and a super-block's type)."""
+    return type(weight), getattr(weight, "kind", None)
 
 
 def _gguf_blocks(layers: dict[int, list[BlockWeight | MixedWeight | None]], head: BlockWeight | None,

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tritonllm.kernels.cpu.super_blocks import Q4_K_BYTES, Q6_K_BYTES, SUPER_BLOCK
+from tritonllm.kernels.cpu.super_blocks import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, SUPER_BLOCK
 from tritonllm.kernels.decode_attention import paged_decode_attention_reference
 from tritonllm.kernels.kv_cache import store_kv_cache_reference
 from tritonllm.kernels.prefill_attention import prefill_attention_reference
@@ -50,6 +50,7 @@ SIGNATURES = {
     "q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q5_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q4_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q5_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q6_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
@@ -292,6 +293,12 @@ def q4_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return _block_matmul(_library.q4_k_matmul, x, blocks, blocks.shape[0], Q4_K_BYTES, block_inputs=SUPER_BLOCK)
 
 
+def q5_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] float32 @ a GGUF's Q5_K super-blocks [out, in / 256, 176] uint8, as the file stores them, .T
+    → [tokens, out] (super_blocks.dequantize_q5_k's weights)."""
+    return _block_matmul(_library.q5_k_matmul, x, blocks, blocks.shape[0], Q5_K_BYTES, block_inputs=SUPER_BLOCK)
+
+
 def q6_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] float32 @ a GGUF's Q6_K super-blocks [out, in / 256, 210] uint8, as the file stores them, .T
     → [tokens, out] (super_blocks.dequantize_q6_k's weights)."""
@@ -466,7 +473,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ---- a whole decode forward ----
 
 # llama_decode.c's enum: what a projection part's blocks are
-BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5}
+BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6}
 PROJECTION_PARTS = 3  # most parts of one fused projection (qkv)
 
 

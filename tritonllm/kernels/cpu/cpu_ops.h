@@ -21,6 +21,7 @@ void q5_1_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, i
 void q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q5_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q4_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
+void q5_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q6_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q4_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q8_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);

@@ -5,7 +5,7 @@
  * ops' own, so the results equal the op-by-op forward to the bit. ---- */
 
 /* kernels/cpu/__init__.py's BLOCK_KINDS */
-enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLOCKS };
+enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLOCKS, Q5_K_BLOCKS };
 
 /* A fused projection's run of output rows in one kind of blocks (a projection is up to 3, rows 0 ending them). */
 typedef struct {
@@ -26,8 +26,9 @@ static BlockMatmul block_matmul(int64_t kind, int64_t int8_activations) {
     case INT4_BLOCKS: return int8_activations ? q4_q8_matmul : q4_matmul;
     case Q8_0_BLOCKS: return int8_activations ? q8_q8_matmul : q8_matmul;
     case Q5_0_BLOCKS: return q5_matmul; /* with int8 activations a Q5_0 tensor runs as Q8_0 blocks instead */
-    case INT5_BLOCKS: return q5_1_matmul; /* these three have no int8-activation kernel: fp32 activations, */
+    case INT5_BLOCKS: return q5_1_matmul; /* these have no int8-activation kernel: fp32 activations, */
     case Q4_K_BLOCKS: return q4_k_matmul; /* as the op-by-op forward */
+    case Q5_K_BLOCKS: return q5_k_matmul;
     default: return q6_k_matmul;
     }
 }

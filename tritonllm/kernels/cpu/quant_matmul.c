@@ -2,9 +2,9 @@
 
 /* ---- projections over the checkpoint's quantized blocks: y[T][N] = x[T][K] . W[N][K]^T ----
  * int4 (a GGUF's Q4_0, Q4_1, repacked exactly at load): w = d * q + m per block of 32 inputs; int5 (Q5_1,
- * Q5_K, likewise): the same with 5-bit q; Q8_0: w = d * q, q signed; Q5_0 (as the GGUF stores it):
- * w = d * (q - 16), q of 5 bits; Q4_K and Q6_K as the GGUF stores them (super-blocks of 256 inputs: 8 blocks of
- * 32 whose scales are decoded in the kernel, so a weight costs the file's bits, 4.5 and 6.56).
+ * likewise): the same with 5-bit q; Q8_0: w = d * q, q signed; Q5_0 (as the GGUF stores it):
+ * w = d * (q - 16), q of 5 bits; Q4_K, Q5_K and Q6_K as the GGUF stores them (super-blocks of 256 inputs: 8
+ * blocks of 32 whose scales are decoded in the kernel, so a weight costs the file's bits, 4.5, 5.5 and 6.56).
  * Each weight row is dequantized to fp32 once per token chunk and multiplied in fp32. */
 
 #define QUANT_BLOCK 32
@@ -15,9 +15,11 @@
 #define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
 #define Q5_0_BYTES 22 /* fp16 d, 4 bytes of high bits (element j: bit j), 16 bytes: element j low, j + 16 high */
 #define Q4_K_BYTES 144 /* a super-block: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles */
+#define Q5_K_BYTES 176 /* a super-block: Q4_K's, with 32 bytes of fifth bits before the nibbles */
 #define Q6_K_BYTES 210 /* a super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d */
 #define SUPER_BLOCKS 8 /* a K-quant super-block's blocks of 32 */
 #define Q4_K_UNIT 2    /* blocks dequantized at once: those sharing their bytes */
+#define Q5_K_UNIT 2
 #define Q6_K_UNIT 4
 
 /* A Q8_0 block's fp16 scale as a float. A vector conversion (of it and the first two codes): a scalar one merges
@@ -179,6 +181,40 @@ static inline void dequantize_q4_k(const uint8_t *super, int j, const float *tab
         const vi codes = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + v * VLEN)));
         out[v] = __builtin_convertvector(codes & 15, vf) * dv[0] + mv[0];
         out[BLOCK_VECTORS + v] = __builtin_convertvector(codes >> 4, vf) * dv[1] + mv[1];
+    }
+#endif
+}
+
+/* Q5_K: Q4_K's blocks with a fifth bit (block j's: bit j of bytes 16 .. 47), the same scales; d' * q still exact
+ * (17 + 5 bits). Blocks j and j + 1 (j even). */
+static inline void dequantize_q5_k(const uint8_t *super, int j, const float *table, vf *out) {
+    const uint8_t *fifths = super + 16, *bytes = super + 48 + 16 * j;
+#if VLEN == 16
+    /* each weight looked up in its block's 32 values d' * k + m' (two tables of 16: vpermt2ps) */
+    const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    __m512 values[2][2];
+    for (int b = 0; b < 2; b++)
+        for (int t = 0; t < 2; t++)
+            values[b][t] = (__m512)((iota + splat(16.0f * t)) * splat(table[j + b]) + splat(table[8 + j + b]));
+    const __m512i nibble = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * h)));
+        const __m512i tops = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(fifths + 16 * h)));
+        for (int b = 0; b < 2; b++) {
+            const __m512i low = b ? _mm512_srli_epi32(codes, 4) : _mm512_and_si512(codes, nibble);
+            const __m512i fifth = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(tops, j + b), one), 4);
+            out[2 * b + h] = (vf)_mm512_permutex2var_ps(values[b][0], _mm512_or_si512(low, fifth), values[b][1]);
+        }
+    }
+#else
+    for (int b = 0; b < 2; b++) {
+        const vf dv = splat(table[j + b]), mv = splat(table[8 + j + b]);
+        for (int v = 0; v < BLOCK_VECTORS; v++) {
+            const vi codes = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + v * VLEN)));
+            const vi tops = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(fifths + v * VLEN)));
+            const vi q = (b ? codes >> 4 : codes & 15) | ((tops >> (j + b) & 1) << 4);
+            out[b * BLOCK_VECTORS + v] = __builtin_convertvector(q, vf) * dv + mv;
+        }
     }
 #endif
 }
@@ -375,6 +411,7 @@ BLOCK_MATMUL(q5_1_matmul, dequantize_q5_1, no_scales, Q5_1_BYTES, 1, 1)
 BLOCK_MATMUL(q8_matmul, dequantize_q8_0, no_scales, Q8_0_BYTES, 1, 1)
 BLOCK_MATMUL(q5_matmul, dequantize_q5_0, no_scales, Q5_0_BYTES, 1, 1)
 BLOCK_MATMUL(q4_k_matmul, dequantize_q4_k, q4_k_scales, Q4_K_BYTES, SUPER_BLOCKS, Q4_K_UNIT)
+BLOCK_MATMUL(q5_k_matmul, dequantize_q5_k, q4_k_scales, Q5_K_BYTES, SUPER_BLOCKS, Q5_K_UNIT)
 BLOCK_MATMUL(q6_k_matmul, dequantize_q6_k, q6_k_scales, Q6_K_BYTES, SUPER_BLOCKS, Q6_K_UNIT)
 
 /* ---- the same projections with int8 activations, llama.cpp's way (its Q8_1 activations): each token's inputs
