@@ -332,7 +332,7 @@ MICROKERNEL(1, 1)
                 const int64_t b = s * (SUB) + j;                                                                \
                 vf xv[(UNIT) * BLOCK_VECTORS];                                                                  \
                 for (int i = 0; i < (UNIT) * BLOCK_VECTORS; i++) xv[i] = load(x + b * QUANT_BLOCK + i * VLEN); \
-                for (int r = 0; r < ROWS; r++) {                                                                \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) { /* acc[r] in registers */             \
                     vf w[(UNIT) * BLOCK_VECTORS];                                                               \
                     DEQUANTIZE(rows + r * row_bytes + s * (SUPER_BYTES), j, table[r], w);                       \
                     for (int i = 0; i < (UNIT) * BLOCK_VECTORS; i++) acc[r] += w[i] * xv[i];                    \
