@@ -258,21 +258,55 @@ _PREPARE_IN_CHILD = "import sys; from tritonllm.model_files import write_prepare
 
 def _link_gguf(gguf_path: Path, out_dir: Path) -> bool:
     """A llama or qwen3 GGUF without biases: its config (from the file's metadata, as transformers reads it),
-    generation config and tokenizer into `out_dir`, and a link to the file. False for another (nothing written)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    generation config and tokenizer into `out_dir`, and a link to the file. False for another (nothing written).
 
-    source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
-    config = AutoConfig.from_pretrained(**source)
-    if config.model_type not in BLOCK_MODEL_TYPES or getattr(config, "attention_bias", False) or getattr(
-            config, "mlp_bias", False):
+    The metadata is read once, without the tensors (gguf_file); transformers' own GGUF loading would parse the
+    whole file twice (for the config, and again for the tokenizer's config), seconds each."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tritonllm.gguf_file import read_gguf
+
+    config_dict = gguf_config(read_gguf(gguf_path))
+    if config_dict is None or config_dict.get("attention_bias") or config_dict.get("mlp_bias"):
         return False
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.for_model(**config_dict)
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
+    gguf_tokenizer(gguf_path, config).save_pretrained(out_dir)
     (out_dir / GGUF_LINK).symlink_to(gguf_path)
     (out_dir / _PREPARED_MARK).touch()
     return True
+
+
+def gguf_config(gguf) -> dict | None:
+    """The config transformers reads from a llama or qwen3 GGUF's metadata (`gguf`: a gguf_file.GgufFile), by its
+    own table of GGUF keys (load_gguf_checkpoint's rules for these architectures); None for another architecture
+    (and for a llama file named "mistral", which transformers serves as mistral)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    architecture = gguf.metadata["general.architecture"]
+    if architecture not in BLOCK_MODEL_TYPES or gguf.metadata.get("general.name") == "mistral":
+        return None
+    config = {"tie_word_embeddings": "output.weight" not in gguf.tensor_names()}
+    for key, value in gguf.metadata.items():
+        prefix, _, name = key.partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(name)
+        if renamed not in (None, -1):
+            config[renamed] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in gguf.array_lengths:
+        config["vocab_size"] = gguf.array_lengths["tokenizer.ggml.tokens"]
+    return config
+
+
+def gguf_tokenizer(gguf_path: Path, config):
+    """The tokenizer transformers' AutoTokenizer builds from a GGUF (in a directory without tokenizer files), for
+    its config: the class AutoTokenizer picks for the config, built from the file by transformers' converter."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
+    return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
 def llama_rotary_order(projection: str, heads: int, kv_heads: int):
@@ -313,12 +347,12 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
     """Save a llama or qwen3 GGUF's projections, embedding and LM head that the CPU kernels run from their blocks
     under their HF names, each checked to dequantize to exactly `gguf.quants.dequantize`'s numbers and the dense
     weight just saved; the rest are counted per type in the file's metadata."""
-    import gguf
     import numpy as np
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
     from tritonllm.gguf_blocks import Int4Blocks, Int5Blocks, Q5Blocks, Q8Blocks, SuperBlocks, kernel_blocks
+    from tritonllm.gguf_file import read_gguf
 
     config = json.loads((out_dir / "config.json").read_text())
     if config.get("model_type") not in BLOCK_MODEL_TYPES:
@@ -327,7 +361,7 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
     blocks, uncovered = {}, {}
     with safe_open(str(next(out_dir.glob("*.safetensors"))), framework="pt") as dense:
         names = set(dense.keys())
-        for tensor in gguf.GGUFReader(gguf_path).tensors:
+        for tensor in read_gguf(gguf_path).tensors:
             parts = tensor.name.split(".")  # blk, i, attn_q, weight
             projection = len(parts) == 4 and parts[2] in GGUF_PROJECTIONS
             if not projection and tensor.name not in GGUF_HEADS or tensor.name == "token_embd.weight" and (
