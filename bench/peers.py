@@ -222,7 +222,7 @@ BANDWIDTH_REPEATS = 5
 def tensor_bytes(model: Path) -> dict[str, int]:
     """Each weight tensor's bytes as stored: a GGUF file's tensors, or an HF directory's safetensors files'."""
     if model.is_file():
-        return {tensor.name: tensor.n_bytes for tensor in read_gguf(model).tensors}
+        return {tensor.name: tensor.n_bytes for tensor in read_gguf(model).tensors()}
     sizes = {}
     for path in sorted(model.glob("*.safetensors")):
         with path.open("rb") as file:

@@ -36,7 +36,7 @@ def gguf_path(request, tmp_path_factory) -> Path:
 
 
 def test_tensors_are_the_gguf_readers(gguf_path):
-    theirs, ours = GGUFReader(gguf_path).tensors, read_gguf(gguf_path).tensors
+    theirs, ours = GGUFReader(gguf_path).tensors, read_gguf(gguf_path).tensors()
     assert [tensor.name for tensor in ours] == [tensor.name for tensor in theirs]
     for mine, reference in zip(ours, theirs):
         assert (mine.tensor_type, list(mine.shape), mine.n_bytes) == \

@@ -26,7 +26,8 @@ ALLOWED = {
     "tritonllm.engine.config": {"tritonllm.interface"},
     "tritonllm.engine.layers": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.interface"},
     "tritonllm.engine.models": {"tritonllm.kernels", "tritonllm.engine.layers", "tritonllm.model_files",
-                                "tritonllm.gguf_blocks", "tritonllm.gguf_file", "tritonllm.interface"},  # gguf_blocks: a GGUF read as it is
+                                # gguf_blocks, gguf_file: a GGUF read as it is
+                                "tritonllm.gguf_blocks", "tritonllm.gguf_file", "tritonllm.interface"},
     "tritonllm.engine.core": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.engine.layers",
                               "tritonllm.engine.models", "tritonllm.model_files", "tritonllm.interface"},
     "tritonllm.engine.processing": {"tritonllm.engine.config", "tritonllm.engine.core", "tritonllm.engine.layers",

@@ -86,7 +86,7 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
     from tritonllm.gguf_blocks import checked_blocks
     from tritonllm.gguf_file import read_gguf
 
-    tensors = {tensor.name: tensor for tensor in read_gguf(gguf_path).tensors}
+    tensors = {tensor.name: tensor for tensor in read_gguf(gguf_path).tensors()}
     uncovered: dict[str, list[int]] = {}
 
     def shape(name: str) -> list[int]:
