@@ -1,7 +1,7 @@
 """A GGUF's header read by gguf_file (what a GGUF's preparation and load read instead of the `gguf` package's
 GGUFReader), and the config and tokenizer a GGUF is prepared with from it (model_files): each the same as the
 `gguf` package's reader and transformers' own GGUF loading give, on tiny llama and qwen3 files and the default
-model's GGUF."""
+model's GGUF; and where a GGUF is prepared."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType as Type
 from gguf import GGUFReader
 from transformers import AutoConfig, AutoTokenizer
 
-from tritonllm.gguf_file import read_gguf
+from tritonllm import model_files
+from tritonllm.gguf_file import GgufFile, read_gguf
 from tritonllm.model_files import default_gguf_path, gguf_config, gguf_tokenizer
 
 from gguf_models import MIXED_TYPES, write_tiny_gguf
@@ -61,7 +62,7 @@ def test_metadata_is_the_gguf_readers(gguf_path):
 def test_config_and_tokenizer_are_transformers(gguf_path, tmp_path):
     """What a linked GGUF is prepared with (config.json, tokenizer files) is what transformers' AutoConfig and
     AutoTokenizer make of the file, and the tokenizer splits a mixed text into the same tokens."""
-    source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
+    source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     theirs_config = AutoConfig.from_pretrained(**source)
     ours_config = AutoConfig.for_model(**gguf_config(read_gguf(gguf_path)))
     unsaved = "_name_or_path"  # where AutoConfig read the file from, which config.json does not hold
@@ -82,3 +83,34 @@ def test_config_and_tokenizer_are_transformers(gguf_path, tmp_path):
     assert sorted(path.name for path in (tmp_path / "ours").iterdir()) == files and "tokenizer.json" in files
     _, mismatched, errors = filecmp.cmpfiles(tmp_path / "ours", tmp_path / "theirs", files, shallow=False)
     assert not mismatched and not errors
+
+
+def test_serve_leaves_a_linked_gguf_to_the_engine_which_prepares_it_alike(tmp_path, monkeypatch):
+    """`serve` hands a llama or qwen3 GGUF to the engine as it is (under its directory's name); the engine prepares
+    it in its own process, no child, into the files a child's preparation writes."""
+    gguf = write_tiny_gguf(tmp_path / "tiny-llama.gguf", "llama", MIXED_TYPES)
+    monkeypatch.setenv("TRITONLLM_CACHE", str(tmp_path / "cache"))
+    assert model_files.resolve_model(str(gguf), gguf_in_engine=True) == model_files.Model(gguf, "tiny-llama")
+    assert not (tmp_path / "cache").exists()
+    in_child = model_files.convert_gguf(gguf, tmp_path / "in-child" / "tiny-llama")
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"a child was started: {args}")
+
+    monkeypatch.setattr(model_files.subprocess, "run", no_child)
+    here = model_files.resolve_model_path(str(gguf), link_here=True)
+    assert here == model_files.converted_gguf_dir(gguf) and model_files.linked_gguf(here) == gguf
+    files = sorted(path.name for path in in_child.iterdir())
+    assert sorted(path.name for path in here.iterdir()) == files and "config.json" in files
+    _, mismatched, errors = filecmp.cmpfiles(here, in_child, files, shallow=False)
+    assert not mismatched and not errors
+
+
+def test_only_llama_and_qwen3_ggufs_are_linked():
+    def header(architecture: str, name: str = "tiny") -> GgufFile:
+        return GgufFile(Path("x.gguf"), {"general.architecture": architecture, "general.name": name}, {}, [], 0)
+
+    assert model_files.links_gguf(header("llama")) and model_files.links_gguf(header("qwen3"))
+    assert not model_files.links_gguf(header("phi3")) and not model_files.links_gguf(header("qwen3moe"))
+    assert not model_files.links_gguf(header("llama", "mistral"))  # transformers reads it as mistral
+    assert model_files.gguf_config(header("phi3")) is None

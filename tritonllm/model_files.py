@@ -324,7 +324,8 @@ def gguf_tokenizer(gguf_path: Path, config):
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
     tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
-    return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # local_files_only: as under HF_HUB_OFFLINE=1, which a child set, whatever this process's environment says
+    return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
 
 
 def llama_rotary_order(projection: str, heads: int, kv_heads: int):
