@@ -33,6 +33,11 @@ memory are reported too: the peak over the run of its processes' summed resident
 `tritonllm serve`, tritonserver, the Python-backend stub and its watchdog, the adapter), and each process's own peak
 (VmHWM) by name.
 
+Where llama-server is compared, the two servers' KV caches hold the same tokens (llama-server's context: a slot's
+share of it per stream) in the same dtype: ours `--kv-cache-dtype`, float16 unless told (llama-server's own default,
+f16) or float32, given to llama-server as `--cache-type-k/-v`; ours' `--kv-cache-memory` is those tokens' bytes.
+Without llama-server ours keeps `--kv-cache-dtype auto` and a 1 GiB KV cache (a GGUF's: llama-server's tokens).
+
 `--hf DIR` serves that HF checkpoint (ours and vLLM; e.g. bench/users_models.py's) instead of the default model;
 `--quantization` is ours' option of that name (the checkpoint quantized at load).
 
@@ -79,6 +84,7 @@ from tritonllm.engine.config import EngineConfig
 from tritonllm.launcher import ENGINE_ENV, answers_ok
 from tritonllm.engine.layers.linear import cpu_has_bf16
 from tritonllm.engine.llm_engine import LLMEngine
+from tritonllm.gguf_file import read_gguf
 from tritonllm.model_files import converted_gguf_dir, default_gguf_path, prepare_default_model
 import stack_helpers
 from stack_helpers import command_line, descendant_pids, free_ports, running_stack
@@ -94,6 +100,7 @@ PROMPTS_PER_LENGTH = 3
 PREFILL_OUTPUT_TOKENS = 1
 PREFILL_SEED = 44
 STOP_GRACE_S = 30
+LLAMA_SERVER_KV_TYPES = {"float16": "f16", "float32": "f32"}  # our --kv-cache-dtype → llama-server's cache type
 
 
 class ServerStartError(RuntimeError):
@@ -215,9 +222,7 @@ BANDWIDTH_REPEATS = 5
 def tensor_bytes(model: Path) -> dict[str, int]:
     """Each weight tensor's bytes as stored: a GGUF file's tensors, or an HF directory's safetensors files'."""
     if model.is_file():
-        import gguf as gguf_package
-
-        return {tensor.name: int(tensor.n_bytes) for tensor in gguf_package.GGUFReader(model).tensors}
+        return {tensor.name: tensor.n_bytes for tensor in read_gguf(model).tensors()}
     sizes = {}
     for path in sorted(model.glob("*.safetensors")):
         with path.open("rb") as file:
@@ -386,25 +391,23 @@ def vllm_dtype(requested: str, isa: str) -> str:
 
 def kv_memory_for(gguf: Path, tokens: int, kv_cache_dtype: str) -> int:
     """Bytes of our KV cache for as many tokens as llama-server's holds, in our KV dtype (auto: float32)."""
-    import gguf as gguf_package
-
-    fields = gguf_package.GGUFReader(gguf).fields
-    arch = fields["general.architecture"].contents()
-    layers, heads, kv_heads, width = (fields[f"{arch}.{name}"].contents() for name in (
+    metadata = read_gguf(gguf).metadata
+    arch = metadata["general.architecture"]
+    layers, heads, kv_heads, width = (metadata[f"{arch}.{name}"] for name in (
         "block_count", "attention.head_count", "attention.head_count_kv", "embedding_length"))
-    head_dim = fields[f"{arch}.attention.key_length"].contents() if f"{arch}.attention.key_length" in fields \
-        else width // heads
+    head_dim = metadata.get(f"{arch}.attention.key_length", width // heads)
     return tokens * 2 * layers * kv_heads * head_dim * (2 if kv_cache_dtype == "float16" else 4)
 
 
 def measure_ours(args: argparse.Namespace, levels: list[int], prompts: LongPrompts | None, model: Path,
                  log_dir: Path) -> Measured:
-    """model: a model directory (with a 1 GiB KV cache: 23k float32 tokens of the default model), or with --gguf the
-    file (its cached preparation removed first: a first start), then with a KV cache of as many tokens as
-    llama-server's."""
+    """model: a model directory, or with --gguf the file (its cached preparation removed first: a first start);
+    its KV cache as many tokens as llama-server's where that is compared or the model is a GGUF, else 1 GiB (23k
+    float32 tokens of the default model)."""
     slots = max(levels, default=1)
-    kv_memory = (kv_memory_for(model, llama_server_context(slots, args.max_tokens, args.prompt_tokens),
-                               args.kv_cache_dtype) if model.is_file() else 2**30)
+    kv_gguf = model if model.is_file() else default_gguf_path() if args.llama_server else None
+    kv_memory = (kv_memory_for(kv_gguf, llama_server_context(slots, args.max_tokens, args.prompt_tokens),
+                               args.kv_cache_dtype) if kv_gguf else 2**30)
     options = ["--weight-format", args.weight_format, "--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs",
                str(slots), "--kv-cache-memory", str(kv_memory),
                *(["--quantization", args.quantization] if args.quantization else [])]
@@ -426,13 +429,16 @@ def measure_ours(args: argparse.Namespace, levels: list[int], prompts: LongPromp
 
 
 def llama_server_peer(binary: Path, gguf: Path, slots: int, max_tokens: int, threads: int,
-                      prompt_lengths: list[int]) -> Peer:
-    """A GGUF (ours: the default model's own), a slot per stream, continuous batching; with long prompts, a unified
-    KV cache (any one slot may take the whole context) and no prompt cache for them."""
+                      prompt_lengths: list[int], kv_cache_dtype: str) -> Peer:
+    """A GGUF (ours: the default model's own), a slot per stream, continuous batching, its KV cache in our
+    `kv_cache_dtype`; with long prompts, a unified KV cache (any one slot may take the whole context) and no prompt
+    cache for them."""
     port = free_ports(1)[0]
     command = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(slots), "--ctx-size", str(llama_server_context(slots, max_tokens, prompt_lengths)),
                "--cont-batching", "--threads", str(threads), "--threads-batch", str(threads),
+               "--cache-type-k", LLAMA_SERVER_KV_TYPES[kv_cache_dtype],
+               "--cache-type-v", LLAMA_SERVER_KV_TYPES[kv_cache_dtype],
                *(["--kv-unified"] if prompt_lengths else [])]
     return Peer("llama-server", command, {}, port, [str(binary), "--version"], {"cache_prompt": False})
 
@@ -566,7 +572,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="CPU threads for every server (default: torch's, one per physical core)")
     parser.add_argument("--weight-format", default="auto", help="ours: --weight-format")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="ours: --kv-cache-dtype")
+    parser.add_argument("--kv-cache-dtype", help="ours: --kv-cache-dtype, and llama-server's KV cache type (default: "
+                                                 "float16 with --llama-server, else auto)")
     parser.add_argument("--ready-timeout", type=float, default=1200,
                         help="seconds a server may take to answer /health (vLLM compiles the model at start)")
     parser.add_argument("--log-dir", type=Path, help="the servers' logs (default: a new temporary directory)")
@@ -585,6 +592,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--hf serves a checkpoint to ours and vLLM; llama-server takes its GGUF with --gguf")
     if args.in_process and not args.levels:
         parser.error("--in-process measures the --streams levels only")
+    args.kv_cache_dtype = args.kv_cache_dtype or ("float16" if args.llama_server else "auto")
+    if args.llama_server and args.kv_cache_dtype not in LLAMA_SERVER_KV_TYPES:
+        parser.error("with --llama-server both KV caches are alike: --kv-cache-dtype "
+                     f"{' or '.join(LLAMA_SERVER_KV_TYPES)}")
     return args
 
 
@@ -617,7 +628,7 @@ def main() -> None:
     if args.llama_server:
         gguf = args.gguf or default_gguf_path()
         peers.append(lambda: llama_server_peer(args.llama_server, gguf, max(levels, default=1), args.max_tokens,
-                                               args.threads, args.prompt_tokens))
+                                               args.threads, args.prompt_tokens, args.kv_cache_dtype))
     else:
         print("llama-server: skipped (no --llama-server; bench/setup_peers.sh builds one)")
     if args.vllm_python:

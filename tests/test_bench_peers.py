@@ -1,5 +1,6 @@
-"""bench/peers.py's long-prompt set-up: the prompts every server gets, and vLLM's dtype on this CPU."""
+"""bench/peers.py's set-up: the long prompts, vLLM's dtype on this CPU, llama-server's KV cache like ours."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -72,3 +73,32 @@ def test_options_that_cannot_go_together_are_refused(argv, error, capsys):
     with pytest.raises(SystemExit):
         peers.parse_args(argv)
     assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, dtype", [
+    (["--gguf", "f.gguf", "--llama-server", "s"], "float16"),  # llama-server's own default KV type, f16
+    (["--llama-server", "s", "--kv-cache-dtype", "float32"], "float32"),
+    (["--gguf", "f.gguf"], "auto"),  # no llama-server: ours as it starts by default
+    (["--llama-server", "s", "--kv-cache-dtype", "auto"], None),  # llama-server has no "auto"
+])
+def test_both_kv_caches_take_one_dtype(argv, dtype, capsys):
+    if dtype is None:
+        with pytest.raises(SystemExit):
+            peers.parse_args(argv)
+        assert "--kv-cache-dtype float16 or float32" in capsys.readouterr().err
+        return
+    assert peers.parse_args(argv).kv_cache_dtype == dtype
+
+
+def test_both_kv_caches_hold_the_same_tokens(default_model_dir: Path):
+    """Ours' --kv-cache-memory is the bytes of llama-server's context in the same dtype, by the shape in
+    config.json; llama-server is given that dtype as its cache type."""
+    config = json.loads((default_model_dir / "config.json").read_text())
+    token_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"]
+    tokens = peers.llama_server_context(32, 128, [])
+    assert tokens == 32 * (peers.PROMPT_TOKENS_PER_SLOT + 128)
+    assert peers.kv_memory_for(default_gguf_path(), tokens, "float16") == tokens * token_bytes * 2
+    assert peers.kv_memory_for(default_gguf_path(), tokens, "float32") == tokens * token_bytes * 4
+    command = peers.llama_server_peer(Path("llama-server"), default_gguf_path(), 32, 128, 2, [], "float16").command
+    assert command[command.index("--ctx-size") + 1] == str(tokens)
+    assert command[command.index("--cache-type-k") + 1] == command[command.index("--cache-type-v") + 1] == "f16"

@@ -20,12 +20,14 @@ ALLOWED = {
     "tritonllm.kernels": set(),
     "tritonllm.k_quants": set(),
     "tritonllm.gguf_blocks": {"tritonllm.k_quants", "tritonllm.kernels"},  # kernels: the super-blocks' layouts
-    "tritonllm.model_files": {"tritonllm.gguf_blocks"},
+    "tritonllm.gguf_file": set(),
+    "tritonllm.model_files": {"tritonllm.gguf_blocks", "tritonllm.gguf_file"},
     "tritonllm.parent_death": set(),
     "tritonllm.engine.config": {"tritonllm.interface"},
     "tritonllm.engine.layers": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.interface"},
     "tritonllm.engine.models": {"tritonllm.kernels", "tritonllm.engine.layers", "tritonllm.model_files",
-                                "tritonllm.gguf_blocks", "tritonllm.interface"},  # gguf_blocks: a GGUF read as it is
+                                # gguf_blocks, gguf_file: a GGUF read as it is
+                                "tritonllm.gguf_blocks", "tritonllm.gguf_file", "tritonllm.interface"},
     "tritonllm.engine.core": {"tritonllm.kernels", "tritonllm.engine.config", "tritonllm.engine.layers",
                               "tritonllm.engine.models", "tritonllm.model_files", "tritonllm.interface"},
     "tritonllm.engine.processing": {"tritonllm.engine.config", "tritonllm.engine.core", "tritonllm.engine.layers",

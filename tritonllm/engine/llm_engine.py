@@ -35,7 +35,7 @@ class EngineParts:
                start_core: Callable[[Callable[[], EngineCore]], ModelLimits]) -> "EngineParts":
         """`start_core` builds the core where it will run (the Triton model: its CoreLoop's thread, see
         tritonllm/engine/core/core_loop.py; LLMEngine: right here) and returns the model's limits."""
-        model_dir = resolve_model_path(config.model_path)
+        model_dir = resolve_model_path(config.model_path, link_here=True)  # (a GGUF `serve` left to the engine)
         tokenizer = load_tokenizer(model_dir)
         eos = eos_token_ids(model_dir, tokenizer)
         limits = start_core(lambda: EngineCore(config, model_dir, eos))

@@ -83,11 +83,10 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
     exactly `gguf.quants.dequantize`'s numbers, its weight in the state is a meta tensor: no dense copy is made.
     The rest (norms, the embedding, projections of a type without a kernel) are `gguf.quants.dequantize`'s float32
     numbers, as transformers' conversion gives them."""
-    import gguf
-
     from tritonllm.gguf_blocks import checked_blocks
+    from tritonllm.gguf_file import read_gguf
 
-    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_path).tensors}
+    tensors = {tensor.name: tensor for tensor in read_gguf(gguf_path).tensors()}
     uncovered: dict[str, list[int]] = {}
 
     def shape(name: str) -> list[int]:
@@ -221,7 +220,7 @@ def _block_weight(found) -> BlockWeight:
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
-    """A numpy array as a torch tensor of its own (GGUFReader's float32 tensors are read-only views of the file)."""
+    """A numpy array as a torch tensor of its own (a GGUF's float32 tensors are read-only views of the file)."""
     return torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable else np.array(array))
 
 
