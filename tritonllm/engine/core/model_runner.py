@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import ctypes
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from tritonllm.kernels.decode_attention import DecodeWorkspace
 from tritonllm.kernels import prefill_attention_bf16
 
 log = logging.getLogger(__name__)
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 @dataclass
 class PromptLogits:
@@ -129,6 +132,19 @@ def return_freed_memory() -> None:
         pass
 
 
+def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape) on the CPU in an anonymous mapping, whose pages the kernel zeroes as each is first
+    written: nothing is written at start (torch.zeros wrote the whole KV cache: seconds a GiB where huge pages fault
+    slowly, as in a VM), and a block is resident once used. On transparent huge pages (2 MiB aligned, madvise), as
+    torch's allocator puts the weights under launcher.ENGINE_ENV."""
+    count = math.prod(shape)
+    mapping = mmap.mmap(-1, count * dtype.itemsize + HUGE_PAGE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # (Linux)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(mapping)) % HUGE_PAGE
+    return torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape)  # (it keeps the mapping)
+
+
 def prefill_dtype(requested: str, activations: torch.dtype, blocks_alone: bool) -> torch.dtype:
     """What the CPU engine's prompt rows compute in (engine/layers/prompt_rows.py). auto takes bf16 where it was
     measured to win (AMX: long prompts 3-4x faster) and keeps every greedy continuation of the accuracy set
@@ -221,11 +237,14 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block "
                              f"({self.bytes_per_block} bytes)")
-        self.kv_caches = [
-            (torch.zeros(self.num_blocks, *block_shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(self.num_blocks, *block_shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(arch.num_layers)
-        ]
+
+        def zeroed() -> torch.Tensor:
+            shape = (self.num_blocks, *block_shape)
+            if self.device.type == "cpu":
+                return zeroed_on_first_touch(shape, self.kv_dtype)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+        self.kv_caches = [(zeroed(), zeroed()) for _ in range(arch.num_layers)]
         log.info("model on %s, weights %s; KV cache: %d blocks of %d tokens (%.0f MiB, %s)", self.device,
                  self.weight_format, self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20,
                  self.kv_dtype)
