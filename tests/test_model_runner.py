@@ -3,11 +3,13 @@ back from the device and allocates nothing for its inputs (what CUDA graphs need
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from tritonllm.engine.config import EngineConfig
-from tritonllm.engine.core.model_runner import kv_cache_dtype
+from tritonllm.engine.core.model_runner import HUGE_PAGE, kv_cache_dtype, zeroed_on_first_touch
 from tritonllm.engine.core.scheduler import ScheduledSequence
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.engine.layers.attention import AttentionMetadata
@@ -160,3 +162,26 @@ def test_a_float16_kv_cache_is_for_the_cpu_ops_float32_activations():
     for activations, device in ((torch.bfloat16, "cpu"), (torch.float32, "cuda"), (torch.bfloat16, "cuda")):
         with pytest.raises(ValueError, match="kv_cache_dtype=float16 is for the CPU engine"):
             kv_cache_dtype("float16", activations, torch.device(device))
+
+
+def _resident_anonymous_bytes() -> int:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    return int(status["RssAnon"].split()[0]) * 1024
+
+
+def test_the_kv_cache_costs_nothing_until_a_block_is_written(decoding):
+    """The CPU KV cache is zeros that no start-up pass wrote: not resident until used (torch.zeros made every page
+    resident at once: seconds a GiB where huge pages fault slowly), on 2 MiB boundaries for huge pages."""
+    engine, _ = decoding
+    key_cache, value_cache = engine.core.runner.kv_caches[0]
+    assert key_cache.data_ptr() % HUGE_PAGE == 0 and value_cache.data_ptr() % HUGE_PAGE == 0
+    before = _resident_anonymous_bytes()
+    cache = zeroed_on_first_touch((64, 16, 2, 2048), torch.float32)  # 512 MiB
+    assert _resident_anonymous_bytes() - before < 16 << 20
+    cache[3, 5] = 1.5
+    del cache  # nothing else kept: the view must keep its mapping
+    gc.collect()
+    again = zeroed_on_first_touch((64, 16, 2, 2048), torch.float32)
+    assert not again.any() and again.is_contiguous()  # zeros, every byte (read through the zero page)
+    again[63, 15] = 2.0
+    assert again.sum() == 2.0 * 2 * 2048
