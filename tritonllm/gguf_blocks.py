@@ -37,9 +37,8 @@ INT4_TYPES = (Type.Q4_0, Type.Q4_1)
 INT5_TYPES = (Type.Q5_1,)
 Q8_TYPES = (Type.Q8_0,)
 Q5_TYPES = (Type.Q5_0,)
-SUPER_BLOCK_TYPES = {Type.Q4_K: super_blocks.dequantize_q4_k, Type.Q5_K: super_blocks.dequantize_q5_k,
-                     Type.Q6_K: super_blocks.dequantize_q6_k}
-COVERED_TYPES = INT4_TYPES + INT5_TYPES + Q8_TYPES + Q5_TYPES + tuple(SUPER_BLOCK_TYPES)
+SUPER_BLOCK_TYPES = tuple(Type[kind.upper()] for kind in super_blocks.DEQUANTIZE)
+COVERED_TYPES = INT4_TYPES + INT5_TYPES + Q8_TYPES + Q5_TYPES + SUPER_BLOCK_TYPES
 CHECK_ROWS = 4096  # rows checked at a time against gguf's dequantization (the load's transient memory)
 
 
@@ -106,7 +105,7 @@ class SuperBlocks:
     blocks: np.ndarray
 
     def dequantize(self) -> np.ndarray:
-        return SUPER_BLOCK_TYPES[Type[self.kind.upper()]](torch.from_numpy(np.ascontiguousarray(self.blocks))).numpy()
+        return super_blocks.DEQUANTIZE[self.kind](torch.from_numpy(np.ascontiguousarray(self.blocks))).numpy()
 
     def rows_reordered(self, order) -> "SuperBlocks":
         return SuperBlocks(self.kind, order(self.blocks))

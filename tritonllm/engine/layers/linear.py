@@ -182,7 +182,7 @@ class SuperBlockWeight:
         return Q4Weight(*super_blocks.q4_k_scale_min(self.blocks))
 
     def dequantize(self) -> torch.Tensor:
-        return SUPER_BLOCK_DEQUANTIZE[self.kind](self.blocks)
+        return super_blocks.DEQUANTIZE[self.kind](self.blocks)
 
     def rows(self, index: torch.Tensor) -> "SuperBlockWeight":
         return SuperBlockWeight(self.kind, self.blocks[index])
@@ -192,8 +192,6 @@ class SuperBlockWeight:
         return self.blocks.shape[0], self.blocks.shape[1] * super_blocks.SUPER_BLOCK
 
 
-SUPER_BLOCK_DEQUANTIZE = {"q4_k": super_blocks.dequantize_q4_k, "q5_k": super_blocks.dequantize_q5_k,
-                          "q6_k": super_blocks.dequantize_q6_k}
 SUPER_BLOCK_MATMUL = {"q4_k": cpu_ops.q4_k_matmul, "q5_k": cpu_ops.q5_k_matmul, "q6_k": cpu_ops.q6_k_matmul}
 
 

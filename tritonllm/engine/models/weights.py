@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from tritonllm.engine.layers.linear import (SUPER_BLOCK_DEQUANTIZE, BlockWeight, Int5Weight, MixedWeight, Q4Weight,
-                                           Q5Weight, Q8Weight, SuperBlockWeight)
+from tritonllm.engine.layers.linear import (BlockWeight, Int5Weight, MixedWeight, Q4Weight, Q5Weight, Q8Weight,
+                                           SuperBlockWeight)
+from tritonllm.kernels.cpu import super_blocks
 from tritonllm.model_files import BLOCKS_FILE, GGUF_HEADS, GGUF_PROJECTIONS, UNCOVERED_METADATA, llama_rotary_order
 from tritonllm.engine.models.architecture import ModelArchitecture
 
@@ -63,7 +64,7 @@ def read_gguf_blocks(model_dir: Path, arch: ModelArchitecture) -> GgufBlocks | N
                 return Q5Weight(handle.get_tensor(f"{key}.q5_0"))
             if f"{key}.int5_codes" in names:
                 return Int5Weight(*(handle.get_tensor(f"{key}.int5_{p}") for p in ("codes", "scales", "mins")))
-            for kind in SUPER_BLOCK_DEQUANTIZE:
+            for kind in super_blocks.DEQUANTIZE:
                 if f"{key}.{kind}" in names:
                     return SuperBlockWeight(kind, handle.get_tensor(f"{key}.{kind}"))
             return Q4Weight(*(handle.get_tensor(f"{key}.{p}") for p in "qdm")) if f"{key}.q" in names else None

@@ -84,3 +84,7 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     """[rows, in] float32: d' · code (gguf's numbers)."""
     q, d = q6_k_codes(blocks)
     return d.repeat_interleave(16, 1) * q.float()
+
+
+# each kind (the GGUF type's name in lower case, as the kernels and llama_decode name it) → its dequantization
+DEQUANTIZE = {"q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k, "q6_k": dequantize_q6_k}
