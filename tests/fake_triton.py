@@ -1,7 +1,8 @@
 """A stand-in tritonserver for adapter tests that need time to pass on a real gRPC stream (deadlines, shutdown):
 it answers readiness and streams `count` one-token responses of the `llm` model, `interval_s` apart, then a final
 one (finish_reason "length"); with `stall_after` it goes silent after that many tokens. The prompt (`text_input`)
-is that script as JSON; with return_model_instance, a first response names the script's engine instance; a
+is that script as JSON; with return_model_instance, a first response names the script's engine instance (none while
+the request waits in Triton's queue), and a request sent again (the same id) runs on `again_by` without stalling; a
 tokenize_only probe gets the prompt back. Like the model, it answers a `cancel_request_id` request by ending that request with an error. It
 records how each request ended: "completed", "cancelled" (by a cancel request), or "stream cancelled" (the client
 cancelled its gRPC call, which the adapter must not do: tritonllm/interface/tensors.py, CANCEL_INPUT)."""
@@ -27,11 +28,12 @@ class Script:
     count: int = 3
     interval_s: float = 0.0
     stall_after: int | None = None
-    instance: str = "llm_0_0"  # the engine instance that takes the request
+    instance: str | None = "llm_0_0"  # the engine instance that takes the request; None: not yet taken
+    again_by: str | None = None  # the instance that runs it when it is sent again
 
     def prompt(self) -> str:
         return json.dumps({"count": self.count, "interval_s": self.interval_s, "stall_after": self.stall_after,
-                           "instance": self.instance})
+                           "instance": self.instance, "again_by": self.again_by})
 
 
 def _tensor(name: str, datatype: str, value) -> tuple[service_pb2.ModelInferResponse.InferOutputTensor, bytes]:
@@ -60,6 +62,7 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self) -> None:
         self.outcomes: dict[str, str] = {}  # request id → how it ended
         self.cancelled: dict[str, threading.Event] = {}  # request id → set by a cancel request
+        self.sent: set[str] = set()  # every generation request's id
         self.lock = threading.Lock()
 
     def ServerReady(self, request, context):
@@ -86,11 +89,14 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
             script = Script(**json.loads(inputs["text_input"]))
             cancelled = threading.Event()
             with self.lock:
+                if script.again_by is not None and request.id in self.sent:
+                    script = Script(script.count, script.interval_s, instance=script.again_by)
+                self.sent.add(request.id)
                 self.cancelled[request.id] = cancelled
             # A call cancelled while this generator waits at a `yield` is never resumed: its outcome is
             # recorded when the call ends, whatever ends it.
             context.add_callback(lambda request_id=request.id: self._record_first(request_id, "stream cancelled"))
-            if any(tensor.name == "return_model_instance" for tensor in request.inputs):
+            if script.instance is not None and any(tensor.name == "return_model_instance" for tensor in request.inputs):
                 yield _outputs(request.id, [_tensor("model_instance", "BYTES", script.instance)])
             for index in range(script.count):
                 if script.stall_after is not None and index >= script.stall_after:

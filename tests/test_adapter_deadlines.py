@@ -194,3 +194,46 @@ def test_while_an_instance_is_dead_only_its_silent_calls_fail(triton):
     dead_error, alive_waiting = asyncio.run(run())
     assert isinstance(dead_error, AdapterError) and dead_error.status_code == 503 and "llm_0_0" in str(dead_error)
     assert alive_waiting
+
+
+async def _generate_all(client: TritonClient, script: Script, request_id: str) -> str:
+    return "".join(choice.text for chunk in [chunk async for chunk in client.generate(
+        GenerateRequest(script.prompt(), {}, stream=True), request_id=request_id)] for choice in chunk.choices)
+
+
+def test_a_call_a_dead_instance_held_before_any_response_goes_again(triton):
+    """llm_0_0 took the request and died before its first token: the call is taken back after its silence and sent
+    again, and the live instance answers it, as if the dead one had refused it at once."""
+    async def run() -> str:
+        client = TritonClient(AdapterSettings(served_model_name=MODEL, triton_url=triton.url, idle_timeout_s=30))
+        call = asyncio.ensure_future(_generate_all(
+            client, Script(count=3, interval_s=0.2, stall_after=0, instance="llm_0_0", again_by="llm_0_1"), "held-then-died"))
+        await asyncio.sleep(0.3)
+        client.health.mark_dead("llm_0_0", "killed by SIGKILL")
+        watch = asyncio.ensure_future(client.watch_engines())
+        try:
+            return await asyncio.wait_for(call, 10)
+        finally:
+            watch.cancel()
+            await client.close()
+
+    assert asyncio.run(run()) == " t0 t1 t2"
+
+
+def test_a_call_sent_after_an_instance_died_is_not_taken_for_one_it_holds(triton):
+    """A dead instance answers at once, so a call sent after the death was seen cannot be one it holds: silent in
+    Triton's queue for longer than the dead instance's calls may be (a busy live instance), it still runs, once."""
+    async def run() -> str:
+        client = TritonClient(AdapterSettings(served_model_name=MODEL, triton_url=triton.url, idle_timeout_s=30))
+        client.health.mark_dead("llm_0_0", "killed by SIGKILL")
+        watch = asyncio.ensure_future(client.watch_engines())
+        try:
+            return await asyncio.wait_for(_generate_all(client, Script(count=2, interval_s=3.2, instance=None),
+                                                        "queued-after-the-death"), 15)
+        finally:
+            watch.cancel()
+            await client.close()
+
+    before = len(triton.outcomes())
+    assert asyncio.run(run()) == " t0 t1"
+    assert triton.wait_for_outcomes(before + 1)[before:] == ["completed"]

@@ -121,7 +121,8 @@ def test_one_instance_killed_the_other_keeps_answering_while_the_model_reloads(t
         answers.append((answer.status_code, answer.text[:200]))
         if answer.status_code == 200:
             assert answer.json()["choices"][0]["text"] == expected
-    assert all(status == 200 for status, _ in answers), answers
+    failed = [answer for answer in answers if answer[0] != 200]
+    assert not failed, f"{len(failed)} of {len(answers)} failed, first {failed[:3]}\n{two.logs()}"
     deadline = time.monotonic() + RECOVERY_S
     while "model reloaded" not in (two.state_dir / "serve.log").read_text():
         assert time.monotonic() < deadline, two.logs()

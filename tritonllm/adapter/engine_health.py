@@ -34,21 +34,30 @@ class EngineHealth:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._dead: dict[str, str] = {}  # instance → what happened to it
+        self._dead_since: dict[str, float] = {}  # instance → time.monotonic() when it was marked dead
         self._renewed_at = float("-inf")  # time.monotonic() of the last (re)load: its instances are new
 
     def mark_dead(self, instance: str, what: str = "its process ended", asked_at: float | None = None) -> None:
         """`asked_at`: when the request that met the dead instance was sent; one sent before the last reload met an
         instance that is gone now, and says nothing about the new ones."""
         with self._lock:
-            if asked_at is None or asked_at >= self._renewed_at:
-                self._dead.setdefault(instance, what)
+            if (asked_at is None or asked_at >= self._renewed_at) and instance not in self._dead:
+                self._dead[instance] = what
+                self._dead_since[instance] = time.monotonic()
 
     def mark_all_alive(self) -> None:
         """The model was (re)loaded, or tritonserver restarted: its instances are new."""
         with self._lock:
             self._dead.clear()
+            self._dead_since.clear()
             self._renewed_at = time.monotonic()
 
     def dead(self) -> dict[str, str]:
         with self._lock:
             return dict(self._dead)
+
+    def dead_since(self) -> dict[str, float]:
+        """instance → when it was marked dead. A dead instance answers a request at once, so only a call sent
+        before then can be one it holds in silence."""
+        with self._lock:
+            return dict(self._dead_since)

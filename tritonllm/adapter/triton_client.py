@@ -10,8 +10,9 @@ A call that goes `idle_timeout_s` without a response fails with 504: a generatio
 producing (a deadline on the whole request is the HTTP layer's: tritonllm/adapter/deadlines.py).
 
 An engine instance whose process died answers at once that it is not healthy, and never again answers the requests it
-held: a request it refuses before any response goes again (another instance may serve it), else gets 503; and while
-an instance is dead, the calls that wait in silence are failed with 503 (`watch_engines`, engine_health.py).
+held. While an instance is dead, the calls it may hold (sent before it was marked dead) that wait in silence are
+taken back (`watch_engines`, engine_health.py). A request refused or taken back before any response goes again (another
+instance may serve it); one that had responses gets 503.
 """
 
 import asyncio
@@ -60,13 +61,13 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_PROBE_INTERVAL_S = 1.0
 _SILENT_S = 2.0
-"""While an engine instance is dead, a call of it that has waited this long for its next response is failed: the dead
-instance will never answer it. The engine names the instance that takes a generation request (return_model_instance);
-one not yet taken may go to any (a live one's, silent as long in Triton's queue, fails too, with the same retryable
-503)."""
+"""While an engine instance is dead, a call it may hold that has waited this long for its next response is taken back:
+the dead instance will never answer it. The engine names the instance that takes a generation request
+(return_model_instance); one sent before the death and not yet named may be held by any (a live one's, silent as long
+in Triton's queue, is taken back too, and goes again)."""
 _DEAD_ENGINE_RETRIES = 16
-"""A request a dead instance refused (at once) goes again this many times: Triton hands each to whichever instance
-takes it first, and a dead one is always free, so with two instances it takes about half of them."""
+"""A request a dead instance refused (at once) or held goes again this many times: Triton hands each to whichever
+instance takes it first, and a dead one is always free, so with two instances it takes about half of them."""
 _CANCEL_RETRY_S = 0.05
 """A call left before its stream ended is cancelled in the engine (CANCEL_INPUT), asked again this often while
 its stream goes on: the instance asked may not run it (Triton picks one), or not have it yet."""
@@ -74,6 +75,8 @@ _ABANDONED_S = 2.0  # then its gRPC stream is cancelled after all
 
 
 class _EngineDied(Exception):
+    """A call met a dead engine instance, or waited in silence on one (or on any, `instance` naming them all)."""
+
     def __init__(self, instance: str) -> None:
         super().__init__(instance)
         self.instance = instance
@@ -173,6 +176,7 @@ class _Responses:
 
     def __init__(self, stream) -> None:
         self._stream = stream  # tritonclient's stream_infer iterator
+        self.sent_at = time.monotonic()
         self._queue: asyncio.Queue = asyncio.Queue()  # (result, error) pairs, then None or the exception that ended it
         self.instance: str | None = None  # the engine instance that took the request, once it said so
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -217,7 +221,7 @@ class TritonClient:
         self._headers = triton_headers(settings.api_key)
         self._refusal: AdapterError | None = None  # set by cancel_all: what every call gets from then on
         self._waiting: dict[asyncio.Task, tuple[float, _Responses]] = {}  # tasks waiting for a response → since, what
-        self._refused: dict[asyncio.Task, AdapterError] = {}  # those of them failed by us → with what
+        self._refused: dict[asyncio.Task, Exception] = {}  # those of them failed by us → with what
         self._abandoned: set[asyncio.Task] = set()  # cancelling the requests of calls left early (_end_abandoned)
 
     def cancel_all(self, error: AdapterError) -> None:
@@ -225,7 +229,7 @@ class TritonClient:
         self._refusal = error
         self._refuse(list(self._waiting), error)
 
-    def _refuse(self, tasks: list[asyncio.Task], error: AdapterError) -> None:
+    def _refuse(self, tasks: list[asyncio.Task], error: Exception) -> None:
         for task in tasks:
             if task not in self._refused:
                 self._refused[task] = error
@@ -233,19 +237,18 @@ class TritonClient:
 
     async def watch_engines(self) -> None:
         """For the adapter's life: while calls wait or an engine instance is dead, probe the model every second (a
-        dead instance answers at once that it is not healthy), and while one is dead fail the calls that have waited
-        _SILENT_S for a response."""
+        dead instance answers at once that it is not healthy), and while one is dead take back the calls it may hold
+        that have waited _SILENT_S for a response."""
         while True:
             await asyncio.sleep(_ENGINE_PROBE_INTERVAL_S)
             if not self._waiting and not self.health.dead():
                 continue
             await self.probe()
-            dead = self.health.dead()
-            if dead:
-                now = time.monotonic()
+            now = time.monotonic()
+            for instance, died in self.health.dead_since().items():
                 self._refuse([task for task, (since, responses) in self._waiting.items()
-                              if now - since >= _SILENT_S and (not responses.instance or responses.instance in dead)],
-                             engine_died(", ".join(sorted(dead))))
+                              if now - since >= _SILENT_S and responses.sent_at < died
+                              and responses.instance in (None, instance)], _EngineDied(instance))
 
     async def probe(self) -> None:
         """Ask the model for something cheap (a tokenize_only request); a dead instance that answers is marked."""
@@ -314,10 +317,9 @@ class TritonClient:
 
     async def _stream(self, inputs: list[InferInput], request_id: str) -> AsyncIterator[InferResult]:
         """The responses of one request to the model, each as it arrives; sent again when a dead engine instance
-        refused it before any response."""
+        refused or held it before any response."""
         for attempt in range(_DEAD_ENGINE_RETRIES + 1):
             answered = False
-            asked_at = time.monotonic()
             try:
                 async with aclosing(self._call(inputs, request_id)) as results:
                     async for result in results:
@@ -325,7 +327,6 @@ class TritonClient:
                         yield result
                 return
             except _EngineDied as died:
-                self.health.mark_dead(died.instance, "Triton says its process is not healthy", asked_at)
                 if answered or attempt == _DEAD_ENGINE_RETRIES:
                     raise engine_died(died.instance) from None
 
@@ -333,7 +334,8 @@ class TritonClient:
                     ) -> AsyncIterator[InferResult]:
         """The responses of one request to the model (one gRPC stream), each as it arrives. Left before the stream's
         end (a consumer gone, a timeout, an error), the request is cancelled in the engine, so the stream ends by
-        itself. A cancel request (`is_cancel`) goes even after cancel_all, and its stream is cancelled if left."""
+        itself. A cancel request (`is_cancel`) goes even after cancel_all, and its stream is cancelled if left; so is
+        the stream of a call a dead instance held (a cancel request by its id could reach the request sent again)."""
         if self._refusal is not None and not is_cancel:
             raise self._refusal
         request = {"model_name": self._settings.triton_model, "inputs": inputs, "request_id": request_id}
@@ -342,19 +344,24 @@ class TritonClient:
             yield request
 
         responses = _Responses(self._client.stream_infer(requests(), headers=self._headers))
+        held_by_dead_instance = False
         try:
             while (response := await self._next_response(responses, refusable=not is_cancel)) is not None:
                 result, error = response
                 if error is not None:
                     if (instance := dead_stub(error.message())) is not None:
+                        self.health.mark_dead(instance, "Triton says its process is not healthy", responses.sent_at)
                         raise _EngineDied(instance)
                     raise _error_from_message(error.message())
                 yield result
         except grpc.aio.AioRpcError as error:
             raise self._error_from_rpc(error) from None
+        except _EngineDied:
+            held_by_dead_instance = True
+            raise
         finally:
             if not responses.ended():
-                if not is_cancel:
+                if not (is_cancel or held_by_dead_instance):
                     task = asyncio.get_running_loop().create_task(self._end_abandoned(responses, request_id))
                     self._abandoned.add(task)
                     task.add_done_callback(self._abandoned.discard)
