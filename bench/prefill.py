@@ -5,7 +5,7 @@ processes can exceed the change), as bench/cpu_ops_ab.py does; with --prefill-dt
 each prefill dtype runs, alternating.
 
     .venv/bin/python bench/prefill.py [--lengths 512,2048,8000] [--rounds 2] [--before main]
-    .venv/bin/python bench/prefill.py --prefill-dtypes float32,bfloat16
+    .venv/bin/python bench/prefill.py --prefill-dtypes float32,bfloat16 [--model FILE.gguf]
     .venv/bin/python bench/prefill.py --lengths 0 --streams 8 --arrival 8000   # ITL while an 8k prompt prefills
     OMP_NUM_THREADS=1 .venv/bin/python bench/prefill.py --op --before main --torch   # the attention op alone
 
@@ -15,7 +15,8 @@ is the op's own work even on a busy host; --torch adds torch's scaled_dot_produc
 gathered from the paged cache, then its CPU kernel) as a candidate.
 
 Prompts are random token ids, new each run (prefix caching never hits); the model is the default one (8,192
-positions: 8,000 prompt tokens leave room for the output)."""
+positions: 8,000 prompt tokens leave room for the output) unless --model names another (a GGUF file or a model
+directory)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from tritonllm.engine.llm_engine import LLMEngine, Request  # noqa: E402
 from tritonllm.interface.parameters import SamplingParams  # noqa: E402
 from tritonllm.kernels import cpu  # noqa: E402
 from tritonllm.kernels.prefill_attention import prefill_attention_reference  # noqa: E402
-from tritonllm.model_files import prepare_default_model  # noqa: E402
+from tritonllm.model_files import prepare_default_model, resolve_model_path  # noqa: E402
 from cpu_ops_ab import built_ops  # noqa: E402
 
 _prompts = torch.Generator().manual_seed(0)
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed before the arrival")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--weight-format", default="auto")
+    parser.add_argument("--model", type=Path, help="a GGUF file or model directory (default: the default model)")
     parser.add_argument("--prefill-dtypes", default="float32", help="an engine of each, alternating (e.g. "
                                                                      "float32,bfloat16)")
     parser.add_argument("--op", action="store_true", help="time the prefill attention op alone (no engine)")
@@ -145,7 +147,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.op:
         return op_main(args)
-    engines = {dtype: LLMEngine(EngineConfig(model_path=str(prepare_default_model()),
+    model = resolve_model_path(args.model) if args.model else prepare_default_model()
+    engines = {dtype: LLMEngine(EngineConfig(model_path=str(model),
                                              weight_format=args.weight_format, prefill_dtype=dtype,
                                              max_num_batched_tokens=args.max_num_batched_tokens))
                for dtype in args.prefill_dtypes.split(",")}

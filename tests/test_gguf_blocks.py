@@ -179,13 +179,33 @@ def test_a_gguf_read_as_it_is_gives_its_dense_conversions_logits(gguf_model_dir,
                                                                  weight_format):
     """The file read tensor by tensor, its blocks alone, against today's conversion (transformers' dequantization
     into safetensors, the blocks beside it): the same logits, to the bit. auto runs the blocks through the CPU ops,
-    untimed (timing another format would need the dense copy), with float32 prompts (auto's bf16 prompts need a dense
-    bf16 copy: not for blocks alone)."""
+    untimed (timing another format would need the dense copy)."""
     ids = list(range(100, 140))
-    linked, description = load_model(EngineConfig(weight_format=weight_format), gguf_model_dir, torch.device("cpu"))
+    linked, description = load_model(EngineConfig(weight_format=weight_format, prefill_dtype="float32"),
+                                     gguf_model_dir, torch.device("cpu"))
     converted, _ = load_model(EngineConfig(weight_format="int4", prefill_dtype="float32"), converted_model_dir,
                               torch.device("cpu"))
     assert description == "int4 (cpu_ops kernel, float32 activations)"
+    assert torch.equal(prefill_logits(linked, ids), prefill_logits(converted, ids))
+
+
+def test_a_gguf_read_as_it_is_runs_bf16_prompts_on_its_blocks_without_a_copy(gguf_model_dir, converted_model_dir):
+    """auto's bf16 prompts need no dense copy where the CPU has AMX tiles: a projection's prompt rows run on its blocks
+    (block_matmul_amx), and only a projection of a type the kernels do not cover (the tiny file's Q3_K, dequantized
+    anyway) holds bf16 weights for them. The conversion runs the same blocks: the same logits. Without the tiles
+    auto keeps float32 prompts (a copy would defeat reading the blocks alone)."""
+    ids = list(range(100, 140))
+    linked, description = load_model(EngineConfig(), gguf_model_dir, torch.device("cpu"))
+    if not (cpu_ops.has_amx_tiles() and linear.cpu_has_amx()):
+        assert description == "int4 (cpu_ops kernel, float32 activations)"
+        return
+    assert description == "int4 (cpu_ops kernel, float32 activations), bfloat16 prompts"
+    projections = [getattr(owner, name) for i in range(linked.arch.num_layers) for owner, name in linked._projections(i)]
+    on_blocks = [p for p in projections if p.plain_block_parts() is not None]
+    assert on_blocks and all(p.prompt_parts is not None and p.prompt_weight is None for p in on_blocks)
+    assert all(p.prompt_weight is not None for p in projections if p.plain_block_parts() is None)
+    converted, _ = load_model(EngineConfig(weight_format="int4", prefill_dtype="bfloat16"), converted_model_dir,
+                              torch.device("cpu"))
     assert torch.equal(prefill_logits(linked, ids), prefill_logits(converted, ids))
 
 

@@ -185,12 +185,12 @@ def test_bf16_prompts_are_refused_with_bf16_activations_and_without_bf16_hardwar
                    torch.device("cpu"))
 
 
-@pytest.mark.parametrize("amx, blocks_alone, activations, expected", [
+@pytest.mark.parametrize("amx, needs_copy, activations, expected", [
     (True, False, torch.float32, torch.bfloat16),
     (False, False, torch.float32, torch.float32),  # AVX512-BF16 alone: not measured to win, so not taken
     (True, True, torch.float32, torch.float32),  # a GGUF read as its blocks: no dense copy of the weights
     (True, False, torch.bfloat16, torch.float32),  # the activations are bf16 already
 ])
-def test_auto_takes_bf16_prompts_on_amx_cpus_only(amx, blocks_alone, activations, expected, monkeypatch):
+def test_auto_takes_bf16_prompts_on_amx_cpus_only(amx, needs_copy, activations, expected, monkeypatch):
     monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: amx)
-    assert model_runner.prefill_dtype("auto", activations, blocks_alone) == expected
+    assert model_runner.prefill_dtype("auto", activations, needs_copy) == expected

@@ -116,7 +116,8 @@ def test_q4_k_runs_on_its_kernel_where_its_super_blocks_fit(tmp_path, default_mo
             assert isinstance(block, linear.SuperBlockWeight) and block.kind == "q4_k"
             assert torch.equal(block.dequantize(), torch.from_numpy(_llama_cpp_quantized(weight.detach().numpy(), "q4_k")))
     assert not any("falls back" in record.getMessage() for record in caplog.records)
-    quantized, _ = load_model(EngineConfig(quantization="q4_k"), tmp_path, torch.device("cpu"))
+    quantized, _ = load_model(EngineConfig(quantization="q4_k", prefill_dtype="float32"), tmp_path,
+                              torch.device("cpu"))
     exact, _ = load_model(EngineConfig(**EXACT), tmp_path, torch.device("cpu"))
     reference = prefill_logits(exact, TOKENS)
     error = float((prefill_logits(quantized, TOKENS) - reference).norm() / reference.norm())
@@ -125,7 +126,8 @@ def test_q4_k_runs_on_its_kernel_where_its_super_blocks_fit(tmp_path, default_mo
 
 @pytest.mark.parametrize("quantization", FORMATS)
 def test_the_logits_error_is_the_stated_one(model_dir, float32_logits, quantization):
-    model, description = load_model(EngineConfig(quantization=quantization), model_dir, torch.device("cpu"))
+    model, description = load_model(EngineConfig(quantization=quantization, prefill_dtype="float32"), model_dir,
+                                    torch.device("cpu"))  # (the quantization's error alone: prompts in float32)
     assert description == f"int4 (cpu_ops kernel, float32 activations), quantized at load to {quantization}"
     error = float((prefill_logits(model, TOKENS) - float32_logits).norm() / float32_logits.norm())
     assert error == pytest.approx(STATED_ERROR[model_dir.name.removeprefix("tiny-")][quantization], rel=0.2)
@@ -136,7 +138,7 @@ def test_an_engine_serves_a_quantized_checkpoint_greedily(model_dir, weight_form
     """The format the engine runs is the one its log names; greedy decoding runs to the length asked."""
     caplog.set_level(logging.INFO)
     engine = LLMEngine(EngineConfig(model_path=str(model_dir), quantization="q4_0", weight_format=weight_format,
-                                    kv_cache_memory=16 << 20))
+                                    prefill_dtype="float32", kv_cache_memory=16 << 20))
     described = engine.core.runner.weight_format
     expected = {"auto": "int4 (cpu_ops kernel, float32 activations)",
                 "int4-q8": "int4-q8 (cpu_ops kernel, int8 per block of 32 activations)"}[weight_format]
@@ -179,5 +181,6 @@ def test_the_shipped_q4_1_weights_quantize_back_to_their_blocks(default_model_di
             (hf_checkpoint / path.name).symlink_to(path)
     gguf, _ = load_model(EngineConfig(weight_format="int4", prefill_dtype="float32"), default_model_dir,
                          torch.device("cpu"))
-    quantized, _ = load_model(EngineConfig(quantization="q4_1"), hf_checkpoint, torch.device("cpu"))
+    quantized, _ = load_model(EngineConfig(quantization="q4_1", prefill_dtype="float32"), hf_checkpoint,
+                              torch.device("cpu"))
     assert torch.equal(prefill_logits(quantized, TOKENS), prefill_logits(gguf, TOKENS))

@@ -34,7 +34,8 @@ LOSSY = ("int8", "int4-q8")  # quantized activations: asked for, never picked by
 
 @pytest.fixture(scope="module")
 def reference(default_model_dir):
-    model, _ = load_model(EngineConfig(weight_format="float32", dtype="float32"), default_model_dir, torch.device("cpu"))
+    model, _ = load_model(EngineConfig(weight_format="float32", dtype="float32", prefill_dtype="float32"),
+                          default_model_dir, torch.device("cpu"))
     return model
 
 
@@ -47,8 +48,8 @@ def tokenizer_ids(default_model_dir):
 
 @pytest.mark.parametrize("weight_format, dtype", FORMATS[1:])
 def test_logits_stay_close_to_float32(weight_format, dtype, reference, tokenizer_ids, default_model_dir):
-    model, description = load_model(EngineConfig(weight_format=weight_format, dtype=dtype), default_model_dir,
-                                    torch.device("cpu"))
+    model, description = load_model(EngineConfig(weight_format=weight_format, dtype=dtype, prefill_dtype="float32"),
+                                    default_model_dir, torch.device("cpu"))  # (the format's numbers alone)
     tolerance = LOGIT_TOLERANCE[weight_format]
     if isinstance(tolerance, dict):
         tolerance = tolerance[model.embed_tokens.weight.dtype]

@@ -114,7 +114,8 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         log.info("weight formats timed on the model's first %d layers (a whole copy would not fit in the "
                  "memory available)", layers)
     choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
-    prefill = prefill_dtype(config.prefill_dtype, choice.dtype, blocks_alone)
+    prompts_on_blocks = choice.blocks and not choice.int8_activations and cpu_ops.has_amx_tiles()  # (Projection's)
+    prefill = prefill_dtype(config.prefill_dtype, choice.dtype, blocks_alone and not prompts_on_blocks)
     if prefill == torch.bfloat16:
         arch = model.arch
         prefill_attention_bf16.warm_up(arch.num_heads, arch.num_kv_heads, arch.head_dim)
@@ -145,12 +146,13 @@ def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     return torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape)  # (it keeps the mapping)
 
 
-def prefill_dtype(requested: str, activations: torch.dtype, blocks_alone: bool) -> torch.dtype:
+def prefill_dtype(requested: str, activations: torch.dtype, needs_copy: bool) -> torch.dtype:
     """What the CPU engine's prompt rows compute in (engine/layers/prompt_rows.py). auto takes bf16 where it was
     measured to win (AMX: long prompts 3-4x faster) and keeps every greedy continuation of the accuracy set
-    (tests/test_weight_formats.py), but not for a GGUF read as its blocks alone: its point is no dense copy."""
+    (tests/test_weight_formats.py), but not where it `needs_copy`, a bf16 copy of weights read as a GGUF's blocks
+    alone (whose point is no dense copy): the AMX tiles run prompts on the blocks themselves."""
     if requested == "auto":
-        native = activations == torch.float32 and cpu_has_amx() and onednn_available() and not blocks_alone
+        native = activations == torch.float32 and cpu_has_amx() and onednn_available() and not needs_copy
         return torch.bfloat16 if native else torch.float32
     if requested == "float32":
         return torch.float32

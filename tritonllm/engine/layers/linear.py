@@ -212,32 +212,46 @@ class MixedWeight:
 
 class Projection(nn.Module):
     """y = x @ W.T (+ bias) for one weight format and kernel; replaces an nn.Linear after loading. With
-    prefill_dtype=bfloat16 it also holds bf16 weights prepacked for oneDNN (AMX tiles where the CPU has them), which
-    prompt rows run on (engine/layers/prompt_rows.py): oneDNN computes each row alike whatever the batch's size."""
+    prefill_dtype=bfloat16 prompt rows (engine/layers/prompt_rows.py) run on the CPU's bf16 matrix units: on AMX tiles
+    straight from the GGUF's blocks where the projection is such blocks (the CPU ops' block_matmul_amx), else on bf16
+    weights prepacked for oneDNN, a copy. Either computes each row alike whatever the batch's size."""
 
     def __init__(self, bias: torch.Tensor | None):
         super().__init__()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.prompt_weight: torch.Tensor | None = None
+        self.prompt_parts: list[tuple[str, torch.Tensor, int]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [tokens, in]
-        if self.prompt_weight is not None and matmul_dtype() == torch.bfloat16:
+        if matmul_dtype() != torch.bfloat16:
+            out = self.matmul(x)
+        elif self.prompt_parts is not None:
+            out = cpu_ops.block_matmul_amx(x, self.prompt_parts)
+        elif self.prompt_weight is not None:
             out = _onednn_linear(x.to(torch.bfloat16), self.prompt_weight, None, "none", [], "").to(x.dtype)
         else:
             out = self.matmul(x)
         return out if self.bias is None else out + self.bias
 
-    def run_prompts_in_bf16(self, weight: torch.Tensor) -> None:
-        """Prompt rows on these [out, in] weights rounded to bf16."""
-        self.prompt_weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), 1)
+    def run_prompts_in_bf16(self, weight: Callable[[], torch.Tensor]) -> None:
+        """Prompt rows on the blocks (AMX tiles), else on the [out, in] weights `weight()` gives, rounded to bf16."""
+        parts = self.plain_block_parts()
+        if parts is not None and cpu_ops.has_amx_tiles() and all(rows % 16 == 0 for _, _, rows in parts):
+            self.prompt_parts = parts
+        else:
+            self.prompt_weight = torch.ops.mkldnn._reorder_linear_weight(weight().to(torch.bfloat16), 1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        """The projection as the CPU ops' llama_decode reads it: (kind of blocks, packed blocks, output rows) per
-        run of rows; None for one without blocks."""
+    def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        """The projection's weights as blocks the CPU ops' fp32-activation kernels read: (kind of blocks, blocks,
+        output rows) per run of rows; None for one without such blocks."""
         return None
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        """The projection as the CPU ops' llama_decode reads it (it adds no bias)."""
+        return None if self.bias is not None else self.plain_block_parts()
 
 
 class DenseProjection(Projection):
@@ -322,7 +336,10 @@ class Q4Projection(Projection):
         self.int8_activations = int8_activations
         self.packed = (cpu_ops.pack_q4_rows if int8_activations else cpu_ops.pack_q4)(weight.q, weight.d, weight.m)
 
-    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+    def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return None if self.int8_activations else [("int4", self.packed, self.rows)]
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:  # (int8 activations: the groups of rows)
         return None if self.bias is not None else [("int4", self.packed, self.rows)]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -340,8 +357,8 @@ class Int5Projection(Projection):
         super().__init__(bias)
         self.packed = cpu_ops.pack_q5_1(weight.q, weight.d, weight.m)
 
-    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        return None if self.bias is not None else [("int5", self.packed, self.packed.shape[0])]
+    def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return [("int5", self.packed, self.packed.shape[0])]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_ops.q5_1_matmul(x, self.packed)
@@ -358,7 +375,10 @@ class Q8Projection(Projection):
         self.int8_activations = int8_activations
         self.packed = cpu_ops.pack_q8_rows(blocks) if int8_activations else blocks
 
-    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+    def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return None if self.int8_activations else [("q8_0", self.packed, self.rows)]
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:  # (int8 activations: the groups of rows)
         return None if self.bias is not None else [("q8_0", self.packed, self.rows)]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -376,8 +396,8 @@ class Q5Projection(Projection):
         super().__init__(bias)
         self.blocks = blocks.contiguous()
 
-    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        return None if self.bias is not None else [("q5_0", self.blocks, self.blocks.shape[0])]
+    def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return [("q5_0", self.blocks, self.blocks.shape[0])]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_ops.q5_matmul(x, self.blocks)
@@ -392,8 +412,8 @@ class SuperBlockProjection(Projection):
         super().__init__(bias)
         self.kind, self.blocks = weight.kind, weight.blocks.contiguous()
 
-    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        return None if self.bias is not None else [(self.kind, self.blocks, self.blocks.shape[0])]
+    def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return [(self.kind, self.blocks, self.blocks.shape[0])]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return SUPER_BLOCK_MATMUL[self.kind](x, self.blocks)
@@ -409,9 +429,16 @@ class PartsProjection(Projection):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
+    def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return _joined([part.plain_block_parts() for part in self.parts])
+
     def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        parts = [part.block_parts() for part in self.parts]
-        return None if any(p is None for p in parts) else [entry for p in parts for entry in p]
+        return _joined([part.block_parts() for part in self.parts])
+
+
+def _joined(parts: list[list | None]) -> list | None:
+    """Parts' lists one after another; None where one has none."""
+    return None if any(p is None for p in parts) else [entry for p in parts for entry in p]
 
 
 @dataclass(frozen=True)

@@ -222,14 +222,15 @@ class LlamaForCausalLM(nn.Module):
                           prefill_dtype: torch.dtype = torch.float32) -> None:
         """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
         blocks: the GGUF's blocks of projection_weights(layer) and of the head, for int4 and int4-q8;
-        prefill_dtype bfloat16: the projections keep bf16 weights for prompt rows too (2 bytes a weight)."""
+        prefill_dtype bfloat16: prompt rows run on the blocks (AMX tiles), else on bf16 copies (2 bytes a weight)."""
         for index in range(len(self.layers)):
             owners = self._projections(index)
             for (owner, name), weight in zip(owners, blocks.layers[index] if blocks else [None] * len(owners)):
                 linear = getattr(owner, name)
                 projection = choice.make(linear.weight, linear.bias, weight)
                 if prefill_dtype == torch.bfloat16:
-                    projection.run_prompts_in_bf16(weight.dequantize() if linear.weight.is_meta else linear.weight)
+                    dense = weight.dequantize if linear.weight.is_meta else lambda: linear.weight  # (called here)
+                    projection.run_prompts_in_bf16(dense)
                 setattr(owner, name, projection)
         self.prefill_dtype = prefill_dtype
         self.lm_head = choice.make_head(self.head_weight(), blocks.head if blocks and choice.blocks else None)

@@ -59,6 +59,7 @@ SIGNATURES = {
                                 _i64],
     "paged_prefill_attention_amx": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32,
                                     _p, _i64],
+    "block_matmul_amx": [_p, _i64, _i64, _i64, _i64, _p, _i64, _p, _i64],
     "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
     "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _i64],
@@ -68,7 +69,7 @@ SIGNATURES = {
                      _p, _p, _i64, _i64],
 }
 
-RESULTS = {"paged_prefill_attention_amx": _i64}  # the rest return nothing
+RESULTS = {"paged_prefill_attention_amx": _i64, "block_matmul_amx": _i64}  # the rest return nothing
 
 
 def _cpu_flags() -> str:
@@ -305,6 +306,48 @@ def q6_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return _block_matmul(_library.q6_k_matmul, x, blocks, blocks.shape[0], Q6_K_BYTES, block_inputs=SUPER_BLOCK)
 
 
+# blocks.h's enum: what a projection's blocks are
+BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6}
+AMX_TOKENS = 32  # block_matmul_amx.c's tokens a step
+AMX_ROW_PAD = 32  # bf16
+BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK), "q8_0": (Q8_BYTES, QUANT_BLOCK),
+               "q5_0": (Q5_BYTES, QUANT_BLOCK), "q4_k": (Q4_K_BYTES, SUPER_BLOCK), "q5_k": (Q5_K_BYTES, SUPER_BLOCK),
+               "q6_k": (Q6_K_BYTES, SUPER_BLOCK)}
+"""A kind of blocks as the fp32-activation ops read them: (bytes, inputs) a (super-)block."""
+
+
+def has_amx_tiles() -> bool:
+    """Whether this library, CPU and OS run the ops on AMX tiles."""
+    return _library is not None and _library.block_matmul_amx(None, 0, 0, 0, 0, None, 0, None, 0) == 0
+
+
+def block_matmul_amx(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]]) -> torch.Tensor:
+    """x [tokens, in] (rounded to bf16 here) @ a projection's weights [out, in].T → [tokens, out] float32, on AMX
+    tiles (block_matmul_amx.c), the weights read from their blocks: parts are (BLOCK_KINDS name, blocks as the
+    fp32-activation ops take them, output rows, a multiple of 16) in output order. Only where has_amx_tiles()."""
+    _checked(x, "x", None, (None, None))
+    tokens, inputs = x.shape
+    for kind, blocks, rows in parts:
+        block_bytes, block_inputs = BLOCK_BYTES[kind]
+        if inputs % block_inputs or rows % 16:
+            raise ValueError(f"{kind}: {inputs} inputs, {rows} rows: not multiples of {block_inputs} and 16")
+        _checked(blocks, "weights", torch.uint8, (rows, inputs // block_inputs, block_bytes))
+        if not blocks.is_contiguous():
+            raise ValueError("weights: not contiguous (pack them once, at load)")
+    # rows padded by 64 bytes: tile loads of rows a power of two apart contend for the same cache sets
+    padded = torch.zeros(tokens + -tokens % AMX_TOKENS, inputs + AMX_ROW_PAD, dtype=torch.bfloat16)
+    padded[:tokens, :inputs] = x
+    width = sum(rows for _, _, rows in parts)
+    out = torch.empty(padded.shape[0], width, dtype=torch.float32)
+    column = 0
+    for kind, blocks, rows in parts:
+        if _library.block_matmul_amx(padded.data_ptr(), padded.shape[1], padded.shape[0], inputs, BLOCK_KINDS[kind],
+                                     blocks.data_ptr(), rows, out.data_ptr() + 4 * column, width):
+            raise RuntimeError("block_matmul_amx: no AMX tiles here (ask has_amx_tiles() first)")
+        column += rows
+    return out[:tokens]
+
+
 def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     """x [tokens, in] float32 @ the weights [rows, in].T that pack_q4_rows packed, with each token's x quantized per
     block of 32 to int8 codes first (llama.cpp's Q8_1: codes round(x / dx) with dx the block's absmax / 127, and
@@ -472,8 +515,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ---- a whole decode forward ----
 
-# llama_decode.c's enum: what a projection part's blocks are
-BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6}
 PROJECTION_PARTS = 3  # most parts of one fused projection (qkv)
 
 

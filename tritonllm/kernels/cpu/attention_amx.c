@@ -1,4 +1,5 @@
 #include "cpu_ops.h"
+#include "amx.h"
 
 /* ---- causal prefill attention on AMX bf16 tiles (prompts computed in bfloat16) ----
  * Same inputs and meaning as paged_prefill_attention (attention.c), for head size 64; returns 0, or 1 where this
@@ -15,34 +16,11 @@
  * query's result is computed alike whatever tile, chunk or step it runs in: a block a query does not see (past its
  * position) leaves its m, l and O exactly as they were (2^0 is exactly 1 and its P is 0). */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#ifdef AMX_BUILD
 
 #define AMX_HEAD 64    /* head size: four 16-column output tiles */
 #define AMX_QUERIES 16 /* query positions per task: a tile's columns */
 #define AMX_KEYS 64    /* keys per softmax step: four 16-row score tiles, two 32-key right operands for V^T P^T */
-
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Linux gives a process the AMX register state only when asked (once; every thread then has it). */
-static int amx_permitted(void) {
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return permitted;
-}
-
-/* Every tile 16 rows of 64 bytes: tmm0 a left operand (16 rows of 32 bf16), tmm1 a right one (16 pairs of rows,
- * interleaved), tmm2-3 scores, tmm4-7 the output. */
-static void configure_tiles(void) {
-    TileConfig config = {.palette = 1};
-    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
-}
 
 /* 2^x to 4e-6 (a minimax polynomial on the reduced range), 2^0 exactly 1; -inf gives NaN (callers mask it) */
 static inline __m512 exp2_lanes(__m512 x) {
@@ -54,32 +32,6 @@ static inline __m512 exp2_lanes(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6931217908859253f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n); /* underflows to 0 under the tasks' flush-to-zero */
-}
-
-static inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-
-/* r[i] = column i of the 16 x 16 floats in r (unpacks of lanes, pairs, then 128-bit quarters, twice) */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
-        r[4 * i + 1] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i], (__m512d)t[4 * i + 2]);
-        r[4 * i + 2] = (__m512)_mm512_unpacklo_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
-        r[4 * i + 3] = (__m512)_mm512_unpackhi_pd((__m512d)t[4 * i + 1], (__m512d)t[4 * i + 3]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
-    }
 }
 
 /* Keys key0 .. key0 + AMX_KEYS - 1 of kv head g as one block of left operands, each 16 rows of 64 bytes in a row

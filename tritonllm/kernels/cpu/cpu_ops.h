@@ -7,10 +7,12 @@
  * float sum by itself), elementwise loops are left to its vectorizer. All tensors are float32 unless named; the KV
  * cache is float32 or float16 (`half`).
  *
- * One file a concept: quant_matmul.c (projections over quantized blocks, fp32 or int8 activations), attention.c
- * (paged attention), attention_amx.c (bf16 prompts' prefill attention on AMX tiles), elementwise.c (norms, rotary,
- * KV store, SiLU), sampler.c (the draw), llama_decode.c (those ops over a whole decode step). This header declares
- * what Python calls (kernels/cpu/__init__.py's SIGNATURES) and what one file calls of another. */
+ * One file a concept: quant_matmul.c (projections over quantized blocks, fp32 or int8 activations), blocks.h (the
+ * blocks' layouts and dequantization), block_matmul_amx.c (bf16 prompts' projections over blocks on AMX tiles),
+ * attention.c (paged attention), attention_amx.c (bf16 prompts' prefill attention on AMX tiles; amx.h the tiles'
+ * setup), elementwise.c (norms, rotary, KV store, SiLU), sampler.c (the draw), llama_decode.c (those ops over a
+ * whole decode step). This header declares what Python calls (kernels/cpu/__init__.py's SIGNATURES) and what one
+ * file calls of another. */
 
 #pragma once
 
@@ -40,6 +42,8 @@ int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t ch
                                     const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
                                     const int64_t *block_tables, int64_t table_stride, float scale, float *out,
                                     int64_t half);
+int64_t block_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t T, int64_t K, int64_t kind,
+                         const uint8_t *weights, int64_t N, float *y, int64_t y_stride);
 
 void rms_norm(const float *x, const float *residual, const float *weight, int64_t rows, int64_t width, float eps,
               float *out, float *summed);

@@ -1,11 +1,9 @@
 #include "cpu_ops.h"
+#include "blocks.h"
 
 /* ---- a whole decode forward of a dense Llama-style decoder over quantized blocks: the ops above in the model's
  * order, one call for every layer (what Python would otherwise dispatch ~10 times a layer). The arithmetic is the
  * ops' own, so the results equal the op-by-op forward to the bit. ---- */
-
-/* kernels/cpu/__init__.py's BLOCK_KINDS */
-enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLOCKS, Q5_K_BLOCKS };
 
 /* A fused projection's run of output rows in one kind of blocks (a projection is up to 3, rows 0 ending them). */
 typedef struct {

@@ -1,0 +1,89 @@
+"""Prompt rows' projections on AMX tiles straight from a GGUF's blocks (kernels/cpu/block_matmul_amx.c): every kind of
+block the fp32-activation kernels read, against gguf's dequantization rounded to bf16, to the bit where the sum is
+one product; a row alike in any batch; a fused projection's parts side by side; bad inputs refused. On a CPU (or OS)
+without AMX tiles the op is absent, and what the engine does instead is tested in tests/test_prefill_dtype.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Type
+from gguf import quants
+
+from gguf_models import random_blocks
+from tritonllm.kernels import cpu
+from tritonllm.model_files import cpu_ops_dir
+
+GGUF_KINDS = {"q8_0": Type.Q8_0, "q5_0": Type.Q5_0, "q4_k": Type.Q4_K, "q5_k": Type.Q5_K, "q6_k": Type.Q6_K}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _amx():
+    assert cpu.load(cpu_ops_dir())  # the test machines have a C compiler
+    if not cpu.has_amx_tiles():
+        pytest.skip("no AMX tiles on this CPU (or OS): prompts take oneDNN's bf16 path over a copy")
+
+
+def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks of `kind` as the fp32-activation ops take them, and the float32 weights they stand for."""
+    generator = torch.Generator().manual_seed(seed)
+    if kind in ("int4", "int5"):  # our repacks of Q4_0/Q4_1 and Q5_1: w = d·q + m per 32
+        q = torch.randint(0, 16 if kind == "int4" else 32, (rows, width), dtype=torch.uint8, generator=generator)
+        d = (torch.rand(rows, width // 32, generator=generator) * 0.02).half().float()
+        m = (-torch.rand(rows, width // 32, generator=generator) * 0.1).half().float()
+        dense = d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
+        return (cpu.pack_q4 if kind == "int4" else cpu.pack_q5_1)(q, d, m), dense
+    raw = random_blocks(GGUF_KINDS[kind], rows, width, np.random.default_rng(seed))
+    dense = torch.from_numpy(quants.dequantize(raw, GGUF_KINDS[kind]).reshape(rows, width).astype(np.float32))
+    block_bytes, block_inputs = cpu.BLOCK_BYTES[kind]
+    return torch.from_numpy(raw.reshape(rows, width // block_inputs, block_bytes)), dense
+
+
+KINDS = ["int4", "int5", *GGUF_KINDS]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows, tokens", [(16, 1), (48, 37), (96, 70)])  # 48: a last task of 16 rows
+def test_each_kind_is_its_weights_rounded_to_bf16_summed_in_float32(kind, rows, tokens):
+    width = 512
+    blocks, dense = _blocks(kind, rows, width)
+    x = torch.randn(tokens, width)
+    out = cpu.block_matmul_amx(x, [(kind, blocks, rows)])
+    expected = x.bfloat16().double() @ dense.bfloat16().double().T
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # each weight read back (a one-hot row sums one product): the file's number rounded to bf16, to the bit
+    assert torch.equal(cpu.block_matmul_amx(torch.eye(width), [(kind, blocks, rows)]).T, dense.bfloat16().float())
+
+
+@pytest.mark.parametrize("kind", ["int4", "q4_k", "q6_k"])
+def test_a_row_does_not_depend_on_the_batch(kind):
+    blocks, _ = _blocks(kind, 80, 768)
+    x = torch.randn(75, 768)
+    together = cpu.block_matmul_amx(x, [(kind, blocks, 80)])
+    for size in (1, 5, 33):
+        for start in range(0, len(x) - size + 1, 13):
+            assert torch.equal(cpu.block_matmul_amx(x[start:start + size], [(kind, blocks, 80)]),
+                               together[start:start + size])
+
+
+def test_a_fused_projections_parts_run_side_by_side():
+    """A Q4_K_M qkv: q and k Q4_K, v Q6_K, each part's outputs in its columns."""
+    parts = [("q4_k", *_blocks("q4_k", 64, 512, 1)), ("q4_k", *_blocks("q4_k", 32, 512, 2)),
+             ("q6_k", *_blocks("q6_k", 32, 512, 3))]
+    x = torch.randn(20, 512)
+    fused = cpu.block_matmul_amx(x, [(kind, blocks, len(dense)) for kind, blocks, dense in parts])
+    alone = [cpu.block_matmul_amx(x, [(kind, blocks, len(dense))]) for kind, blocks, dense in parts]
+    assert torch.equal(fused, torch.cat(alone, dim=1))
+
+
+def test_blocks_of_the_wrong_shape_or_kind_are_refused():
+    blocks, _ = _blocks("q4_k", 32, 512)
+    x = torch.randn(4, 512)
+    with pytest.raises(ValueError, match="weights"):  # Q4_K's bytes read as Q6_K's
+        cpu.block_matmul_amx(x, [("q6_k", blocks, 32)])
+    with pytest.raises(ValueError, match="not multiples"):
+        cpu.block_matmul_amx(torch.randn(4, 500), [("q4_k", blocks, 32)])
+    q4, _ = _blocks("int4", 24, 512)
+    with pytest.raises(ValueError, match="not multiples"):  # rows in whole tiles of 16
+        cpu.block_matmul_amx(x, [("int4", q4, 24)])

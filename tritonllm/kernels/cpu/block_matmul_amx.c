@@ -1,0 +1,128 @@
+#include "cpu_ops.h"
+#include "amx.h"
+#include "blocks.h"
+
+/* ---- prompt rows' projections over a GGUF's blocks on AMX bf16 tiles (prompts computed in bfloat16) ----
+ * y[T][N] (rows y_stride floats apart) = x[T][K] . W[N][K]^T, x in bf16, each weight dequantized from its block (the
+ * file's number, exactly) and rounded to bf16, products summed in fp32: what a bf16 matmul over a bf16 copy of the
+ * weights computes, without the copy (2 bytes a weight). T a multiple of AMX_TOKENS (the caller pads), N of 16.
+ * A task is 32 output rows: their weights are dequantized once into right operands (per block of 32 inputs, 16 rows
+ * as 16 pairs of inputs: 1 KiB, the task's K * 64 bytes staying in L2), then every 32 tokens accumulate 2 x 2 output
+ * tiles over K in block order. A row's result depends on its own inputs and the weights alone: batch-invariant. */
+
+#ifdef AMX_BUILD
+
+#define AMX_TOKENS 32       /* a step's tokens: two left operands of 16 rows */
+#define TASK_ROWS 32        /* a task's output rows: two right operands of 16 columns */
+#define OPERAND_WORDS 512   /* bf16 in a right operand (16 pairs of rows x 32) */
+
+typedef void (*RightOperands)(const uint8_t *rows, int64_t row_bytes, int64_t blocks, uint16_t *operands,
+                              int64_t stride);
+
+/* Rows 0 .. 15 of `rows` as right operands, `stride` words apart (one per block of 32 inputs): a row's 32 weights of
+ * a block, rounded to bf16, are 16 pairs (32-bit lanes) in input order; the operand holds each pair of inputs as a
+ * row of the 16 weight rows' pairs, so the pairs are transposed 16 x 16. */
+#define RIGHT_OPERANDS(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT)                                          \
+    static void NAME(const uint8_t *rows, int64_t row_bytes, int64_t blocks, uint16_t *operands, int64_t stride) { \
+        for (int64_t s = 0; s < blocks / (SUB); s++) {                                                           \
+            __m512 pairs[SUB][16];                                                                               \
+            for (int n = 0; n < 16; n++) {                                                                       \
+                const uint8_t *super = rows + n * row_bytes + s * (SUPER_BYTES);                                 \
+                float table[SCALE_TABLE];                                                                        \
+                SCALES(super, table);                                                                            \
+                for (int j = 0; j < (SUB); j += (UNIT)) {                                                        \
+                    vf w[(UNIT) * BLOCK_VECTORS];                                                                \
+                    DEQUANTIZE(super, j, table, w);                                                              \
+                    for (int u = 0; u < (UNIT); u++) /* block j + u: its 32 weights, inputs 0-15 in the low half */ \
+                        pairs[j + u][n] = (__m512)_mm512_cvtne2ps_pbh((__m512)w[2 * u + 1], (__m512)w[2 * u]);  \
+                }                                                                                                \
+            }                                                                                                    \
+            for (int j = 0; j < (SUB); j++) {                                                                    \
+                transpose16(pairs[j]);                                                                           \
+                uint16_t *operand = operands + (s * (SUB) + j) * stride;                                         \
+                for (int p = 0; p < 16; p++) _mm512_store_si512(operand + 32 * p, (__m512i)pairs[j][p]);         \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+RIGHT_OPERANDS(int4_operands, dequantize_q4_1, no_scales, Q4_1_BYTES, 1, 1)
+RIGHT_OPERANDS(int5_operands, dequantize_q5_1, no_scales, Q5_1_BYTES, 1, 1)
+RIGHT_OPERANDS(q8_0_operands, dequantize_q8_0, no_scales, Q8_0_BYTES, 1, 1)
+RIGHT_OPERANDS(q5_0_operands, dequantize_q5_0, no_scales, Q5_0_BYTES, 1, 1)
+RIGHT_OPERANDS(q4_k_operands, dequantize_q4_k, q4_k_scales, Q4_K_BYTES, SUPER_BLOCKS, Q4_K_UNIT)
+RIGHT_OPERANDS(q5_k_operands, dequantize_q5_k, q4_k_scales, Q5_K_BYTES, SUPER_BLOCKS, Q5_K_UNIT)
+RIGHT_OPERANDS(q6_k_operands, dequantize_q6_k, q6_k_scales, Q6_K_BYTES, SUPER_BLOCKS, Q6_K_UNIT)
+
+/* A kind's right operands, and its bytes a row of `blocks` blocks of 32 inputs. */
+static RightOperands right_operands(int64_t kind, int64_t blocks, int64_t *row_bytes) {
+    switch (kind) {
+    case INT4_BLOCKS: *row_bytes = blocks * Q4_1_BYTES; return int4_operands;
+    case INT5_BLOCKS: *row_bytes = blocks * Q5_1_BYTES; return int5_operands;
+    case Q8_0_BLOCKS: *row_bytes = blocks * Q8_0_BYTES; return q8_0_operands;
+    case Q5_0_BLOCKS: *row_bytes = blocks * Q5_0_BYTES; return q5_0_operands;
+    case Q4_K_BLOCKS: *row_bytes = blocks / SUPER_BLOCKS * Q4_K_BYTES; return q4_k_operands;
+    case Q5_K_BLOCKS: *row_bytes = blocks / SUPER_BLOCKS * Q5_K_BYTES; return q5_k_operands;
+    default: *row_bytes = blocks / SUPER_BLOCKS * Q6_K_BYTES; return q6_k_operands;
+    }
+}
+
+int64_t block_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t T, int64_t K, int64_t kind,
+                         const uint8_t *weights, int64_t N, float *y, int64_t y_stride) {
+    if (!amx_permitted()) return 1;
+    if (T == 0) return 0;
+    const int64_t blocks = K / QUANT_BLOCK, tasks = (N + TASK_ROWS - 1) / TASK_ROWS;
+    int64_t row_bytes;
+    const RightOperands operands_of = right_operands(kind, blocks, &row_bytes);
+#pragma omp parallel
+    {
+        uint16_t *operands = aligned_alloc(64, (size_t)blocks * TASK_ROWS / 16 * OPERAND_WORDS * 2);
+        configure_tiles(); /* tmm0-1 the tokens, tmm2-3 the weights, tmm4-7 the outputs */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t n0 = task * TASK_ROWS;
+            const int wide = N - n0 >= TASK_ROWS; /* else its last 16 rows */
+            for (int half = 0; half <= wide; half++)
+                operands_of(weights + (n0 + 16 * half) * row_bytes, row_bytes, blocks, operands + half * OPERAND_WORDS,
+                            2 * OPERAND_WORDS);
+            for (int64_t t0 = 0; t0 < T; t0 += AMX_TOKENS) {
+                const uint16_t *tokens = x + t0 * x_stride;
+                _tile_zero(4);
+                _tile_zero(5);
+                _tile_zero(6);
+                _tile_zero(7);
+                for (int64_t b = 0; b < blocks; b++) {
+                    const uint16_t *right = operands + b * 2 * OPERAND_WORDS;
+                    _tile_loadd(0, tokens + b * QUANT_BLOCK, x_stride * 2);
+                    _tile_loadd(1, tokens + 16 * x_stride + b * QUANT_BLOCK, x_stride * 2);
+                    _tile_loadd(2, right, 64);
+                    _tile_dpbf16ps(4, 0, 2);
+                    _tile_dpbf16ps(6, 1, 2);
+                    if (wide) {
+                        _tile_loadd(3, right + OPERAND_WORDS, 64);
+                        _tile_dpbf16ps(5, 0, 3);
+                        _tile_dpbf16ps(7, 1, 3);
+                    }
+                }
+                float *out = y + t0 * y_stride + n0;
+                _tile_stored(4, out, y_stride * 4);
+                _tile_stored(6, out + 16 * y_stride, y_stride * 4);
+                if (wide) {
+                    _tile_stored(5, out + 16, y_stride * 4);
+                    _tile_stored(7, out + 16 * y_stride + 16, y_stride * 4);
+                }
+            }
+        }
+        _tile_release();
+        free(operands);
+    }
+    return 0;
+}
+
+#else
+
+int64_t block_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t T, int64_t K, int64_t kind,
+                         const uint8_t *weights, int64_t N, float *y, int64_t y_stride) {
+    return 1;
+}
+
+#endif

@@ -1,0 +1,273 @@
+/* A GGUF's blocks as the CPU ops read them: their layouts (per block of 32 inputs, or per K-quant super-block of 256)
+ * and their dequantization to fp32 vectors in registers, exactly the file's numbers (gguf.quants.dequantize's).
+ * DEQUANTIZE(block, j, table, out) gives UNIT blocks from block j of a super-block (SUB blocks; 1 for the formats
+ * whose scale is in each block), after SCALES(super, table) decoded the super-block's scales once. Included by the
+ * matmuls over blocks: fp32 activations (quant_matmul.c) and bf16 prompt rows on AMX (block_matmul_amx.c). */
+
+#pragma once
+
+#include "vector.h"
+
+/* kernels/cpu/__init__.py's BLOCK_KINDS: what a projection's blocks are */
+enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLOCKS, Q5_K_BLOCKS };
+
+#define QUANT_BLOCK 32
+#define Q4_1_BYTES 24 /* fp32 d, fp32 m (the GGUF's fp16, widened at load: each a broadcast from memory, where
+                       * fp16 took a conversion and two shuffles per row and block), 16 bytes of nibbles: element
+                       * j low, element j + 16 high */
+#define Q5_1_BYTES 28 /* int5: fp32 d, fp32 m, 4 bytes of fifth bits (element j: bit j), 16 of nibbles as Q4_1's */
+#define Q8_0_BYTES 34 /* fp16 d, 32 signed bytes */
+#define Q5_0_BYTES 22 /* fp16 d, 4 bytes of high bits (element j: bit j), 16 bytes: element j low, j + 16 high */
+#define Q4_K_BYTES 144 /* a super-block: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles */
+#define Q5_K_BYTES 176 /* a super-block: Q4_K's, with 32 bytes of fifth bits before the nibbles */
+#define Q6_K_BYTES 210 /* a super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d */
+#define SUPER_BLOCKS 8 /* a K-quant super-block's blocks of 32 */
+#define Q4_K_UNIT 2    /* blocks dequantized at once: those sharing their bytes */
+#define Q5_K_UNIT 2
+#define Q6_K_UNIT 4
+
+/* A Q8_0 block's fp16 scale as a float. A vector conversion (of it and the first two codes): a scalar one merges
+ * into its destination register, which chains every block to the one before. */
+static inline float block_scale(const uint8_t *block) {
+#if defined(__F16C__)
+    int32_t bytes;
+    memcpy(&bytes, block, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(bytes))[0];
+#else
+    _Float16 scale;
+    memcpy(&scale, block, 2);
+    return (float)scale;
+#endif
+}
+
+#define BLOCK_VECTORS (QUANT_BLOCK / VLEN)
+#define SCALE_TABLE 16 /* floats: a super-block's scales decoded once per row and super-block (K-quants) */
+
+/* The formats of one block per "super-block" keep their scales in each block. */
+static inline void no_scales(const uint8_t *block, float *table) { (void)block, (void)table; }
+
+/* A block's 32 weights as BLOCK_VECTORS vectors (in registers, once inlined). */
+static inline void dequantize_q4_1(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
+    float d, m;
+    memcpy(&d, block, 4);
+    memcpy(&m, block + 4, 4);
+    const vf dv = splat(d), mv = splat(m);
+    /* each byte widened to an int32 lane once, then split into its two nibbles there: one shuffle per VLEN bytes
+     * (intrinsics: GCC scalarizes these conversions written as vector casts) */
+#if VLEN == 16
+    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 8)));
+    out[0] = __builtin_convertvector(codes & 15, vf) * dv + mv;
+    out[1] = __builtin_convertvector(codes >> 4, vf) * dv + mv;
+#else
+    /* 8 bytes each, widened straight from memory (vpmovzxbd's load form: no byte shift in a register) */
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 8))),
+                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 16)))};
+    for (int half = 0; half < 2; half++) {
+        out[half] = __builtin_convertvector(codes[half] & 15, vf) * dv + mv;
+        out[2 + half] = __builtin_convertvector(codes[half] >> 4, vf) * dv + mv;
+    }
+#endif
+}
+
+static inline void dequantize_q8_0(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
+    const vf dv = splat(block_scale(block));
+    for (int i = 0; i < QUANT_BLOCK; i += VLEN) {
+#if VLEN == 16 /* intrinsics: GCC scalarizes the conversion of signed bytes */
+        const __m128i codes = _mm_loadu_si128((const __m128i *)(block + 2 + i));
+        out[i / VLEN] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)) * dv;
+#else
+        const __m128i codes = _mm_loadl_epi64((const __m128i *)(block + 2 + i));
+        out[i / VLEN] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)) * dv;
+#endif
+    }
+}
+
+static inline void dequantize_q5_0(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
+    const vf dv = splat(block_scale(block));
+    uint32_t high;
+    memcpy(&high, block + 2, 4);
+#if VLEN == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* in bytes, as the Q8_0 codes: each nibble, less 16 where its fifth bit is clear (a masked subtract) */
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 6)), sixteen = _mm_set1_epi8(16);
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    const __m128i codes[2] = {_mm_mask_sub_epi8(low, (__mmask16)~high, low, sixteen),
+                              _mm_mask_sub_epi8(top, (__mmask16)~(high >> 16), top, sixteen)};
+    for (int v = 0; v < 2; v++) out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes[v])) * dv;
+#else
+    vi lane;
+    for (int i = 0; i < VLEN; i++) lane[i] = i;
+    /* out[v] holds elements v * VLEN ..: their low 4 bits from the nibbles, the 5th from `high`, then - 16 */
+#if VLEN == 16
+    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 6)));
+    const vi nibbles[2] = {codes & 15, codes >> 4};
+#else
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 6))),
+                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 14)))};
+    const vi nibbles[4] = {codes[0] & 15, codes[1] & 15, codes[0] >> 4, codes[1] >> 4};
+#endif
+    for (int v = 0; v < BLOCK_VECTORS; v++) {
+        const vi fifth = (((vi){0} + (int32_t)(high >> (v * VLEN))) >> lane & 1) << 4;
+        out[v] = __builtin_convertvector((nibbles[v] | fifth) - 16, vf) * dv;
+    }
+#endif
+}
+
+static inline void dequantize_q5_1(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
+    float d, m;
+    memcpy(&d, block, 4);
+    memcpy(&m, block + 4, 4);
+    const vf dv = splat(d), mv = splat(m);
+    uint32_t high;
+    memcpy(&high, block + 8, 4);
+#if VLEN == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* in bytes: each nibble, plus 16 where its fifth bit is set (a masked add) */
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 12)), sixteen = _mm_set1_epi8(16);
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    const __m128i codes[2] = {_mm_mask_add_epi8(low, (__mmask16)high, low, sixteen),
+                              _mm_mask_add_epi8(top, (__mmask16)(high >> 16), top, sixteen)};
+    for (int v = 0; v < 2; v++) out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes[v])) * dv + mv;
+#else
+    vi lane;
+    for (int i = 0; i < VLEN; i++) lane[i] = i;
+#if VLEN == 16
+    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 12)));
+    const vi nibbles[2] = {codes & 15, codes >> 4};
+#else
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 12))),
+                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 20)))};
+    const vi nibbles[4] = {codes[0] & 15, codes[1] & 15, codes[0] >> 4, codes[1] >> 4};
+#endif
+    for (int v = 0; v < BLOCK_VECTORS; v++) {
+        const vi fifth = (((vi){0} + (int32_t)(high >> (v * VLEN))) >> lane & 1) << 4;
+        out[v] = __builtin_convertvector(nibbles[v] | fifth, vf) * dv + mv;
+    }
+#endif
+}
+
+/* Q4_K: w = (d * sc) * q - dmin * mn per block of 32, with 6-bit sc, mn packed in 12 bytes (gguf's
+ * get_scale_min); d * sc and dmin * mn are rounded once to fp32 as gguf rounds them (the table: 8 d', then 8 m' =
+ * -dmin * mn), then d' * q (exact: 17 + 4 bits) + m' as int4's dequantize_q4_1. */
+static inline void q4_k_scales(const uint8_t *super, float *table) {
+    uint32_t packed[3];
+    memcpy(packed, super + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    const uint32_t sc[2] = {packed[0] & low6, (packed[2] & low4) | ((packed[0] >> 6) & top2) << 4};
+    const uint32_t mn[2] = {packed[1] & low6, ((packed[2] >> 4) & low4) | ((packed[1] >> 6) & top2) << 4};
+    const __m256 d = _mm256_set1_ps(block_scale(super)), dmin = _mm256_set1_ps(block_scale(super + 2));
+    const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+    _mm256_storeu_ps(table, _mm256_mul_ps(d, scales));
+    _mm256_storeu_ps(table + 8, _mm256_xor_ps(_mm256_mul_ps(dmin, mins), _mm256_set1_ps(-0.0f)));
+}
+
+/* Blocks j and j + 1 (j even): the low and high nibbles of bytes 16 + 16j .. + 31. */
+static inline void dequantize_q4_k(const uint8_t *super, int j, const float *table, vf *out) {
+    const uint8_t *bytes = super + 16 + 16 * j;
+#if VLEN == 16
+    /* each weight looked up in its block's 16 values d' * k + m' (one rounding, as the product is exact) */
+    const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const __m512 low = (__m512)(iota * splat(table[j]) + splat(table[8 + j]));
+    const __m512 high = (__m512)(iota * splat(table[j + 1]) + splat(table[9 + j]));
+    for (int h = 0; h < 2; h++) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * h)));
+        out[h] = (vf)_mm512_permutexvar_ps(codes, low); /* the index's low 4 bits: the low nibble */
+        out[2 + h] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), high);
+    }
+#else
+    const vf dv[2] = {splat(table[j]), splat(table[j + 1])}, mv[2] = {splat(table[8 + j]), splat(table[9 + j])};
+    for (int v = 0; v < BLOCK_VECTORS; v++) {
+        const vi codes = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + v * VLEN)));
+        out[v] = __builtin_convertvector(codes & 15, vf) * dv[0] + mv[0];
+        out[BLOCK_VECTORS + v] = __builtin_convertvector(codes >> 4, vf) * dv[1] + mv[1];
+    }
+#endif
+}
+
+/* Q5_K: Q4_K's blocks with a fifth bit (block j's: bit j of bytes 16 .. 47), the same scales; d' * q still exact
+ * (17 + 5 bits). Blocks j and j + 1 (j even). */
+static inline void dequantize_q5_k(const uint8_t *super, int j, const float *table, vf *out) {
+    const uint8_t *fifths = super + 16, *bytes = super + 48 + 16 * j;
+#if VLEN == 16
+    /* each weight looked up in its block's 32 values d' * k + m' (two tables of 16: vpermt2ps) */
+    const vf iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    __m512 values[2][2];
+    for (int b = 0; b < 2; b++)
+        for (int t = 0; t < 2; t++)
+            values[b][t] = (__m512)((iota + splat(16.0f * t)) * splat(table[j + b]) + splat(table[8 + j + b]));
+    const __m512i nibble = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * h)));
+        const __m512i tops = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(fifths + 16 * h)));
+        for (int b = 0; b < 2; b++) {
+            const __m512i low = b ? _mm512_srli_epi32(codes, 4) : _mm512_and_si512(codes, nibble);
+            const __m512i fifth = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(tops, j + b), one), 4);
+            out[2 * b + h] = (vf)_mm512_permutex2var_ps(values[b][0], _mm512_or_si512(low, fifth), values[b][1]);
+        }
+    }
+#else
+    for (int b = 0; b < 2; b++) {
+        const vf dv = splat(table[j + b]), mv = splat(table[8 + j + b]);
+        for (int v = 0; v < BLOCK_VECTORS; v++) {
+            const vi codes = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + v * VLEN)));
+            const vi tops = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(fifths + v * VLEN)));
+            const vi q = (b ? codes >> 4 : codes & 15) | ((tops >> (j + b) & 1) << 4);
+            out[b * BLOCK_VECTORS + v] = __builtin_convertvector(q, vf) * dv + mv;
+        }
+    }
+#endif
+}
+
+/* Q6_K (16 blocks of 16 in gguf's terms): w = (d * sc) * (q - 32), 6-bit q as a low nibble and a high bit pair,
+ * int8 sc per 16 inputs; d * sc rounded once to fp32 as gguf rounds it (the table: 16 d'). Our block j = 4n + k of
+ * half n: the low nibbles (k < 2) or high ones of bytes 64n + 32(k % 2) .., bits 2k of bytes 128 + 32n .. */
+static inline void q6_k_scales(const uint8_t *super, float *table) {
+    const __m128i scales = _mm_loadu_si128((const __m128i *)(super + 192));
+    const __m256 d = _mm256_set1_ps(block_scale(super + 208));
+    _mm256_storeu_ps(table, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))));
+    _mm256_storeu_ps(table + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)))));
+}
+
+/* Blocks j .. j + 3 (j = 4n: half n): the codes in bytes, then VLEN at a time widened, times their 16's d'. */
+static inline void dequantize_q6_k(const uint8_t *super, int j, const float *table, vf *out) {
+    const int n = j / 4;
+    const uint8_t *low = super + 64 * n, *high = super + 128 + 32 * n;
+#if VLEN == 16
+    /* blocks 4n, 4n + 1 from the low nibbles of 64 bytes, 4n + 2, 4n + 3 from their high ones; block k's high bit
+     * pairs are bits 2k of the same 32 bytes (shifted per 256-bit half: vpsrlvw) */
+    const __m512i bits = _mm512_loadu_si512(low), nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3);
+    const __m512i tops = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)high));
+    const __m512i offset = _mm512_set1_epi8(32);
+    const __m512i shifts[2] = {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1),
+                               _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
+    const __m512i nibbles[2] = {_mm512_and_si512(bits, nibble), _mm512_and_si512(_mm512_srli_epi16(bits, 4), nibble)};
+    for (int p = 0; p < 2; p++) { /* blocks 4n + 2p, 4n + 2p + 1 */
+        const __m512i pairs = _mm512_and_si512(_mm512_srlv_epi16(tops, shifts[p]), pair);
+        const __m512i codes = _mm512_sub_epi8(_mm512_or_si512(nibbles[p], _mm512_slli_epi16(pairs, 4)), offset);
+        for (int q = 0; q < 4; q++) { /* 16 codes, one scale */
+            const __m128i part = _mm512_extracti32x4_epi32(codes, q);
+            out[4 * p + q] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part)) * splat(table[8 * n + 4 * p + q]);
+        }
+    }
+#else
+    const __m256i nibble = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+    const __m256i tops = _mm256_loadu_si256((const __m256i *)high);
+    for (int k = 0; k < 4; k++) { /* block 4n + k: 32 codes at once, the low 4 bits, the high 2, less 32 */
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(low + 32 * (k % 2)));
+        const __m256i nibbles = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(bits, 4) : bits, nibble);
+        const __m256i pairs = _mm256_and_si256(_mm256_srli_epi16(tops, 2 * k), pair);
+        const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_slli_epi16(pairs, 4)), offset);
+        for (int v = 0; v < BLOCK_VECTORS; v++) {
+            const __m128i half = v < 2 ? _mm256_castsi256_si128(codes) : _mm256_extracti128_si256(codes, 1);
+            const __m128i part = v % 2 ? _mm_srli_si128(half, 8) : half;
+            out[k * BLOCK_VECTORS + v] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part))
+                                       * splat(table[8 * n + 2 * k + v / 2]);
+        }
+    }
+#endif
+}
