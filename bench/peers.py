@@ -305,10 +305,12 @@ def running_peer(peer: Peer, log_dir: Path, ready_timeout_s: float) -> Iterator[
             pass
 
 
-def long_prompts(lengths: list[int], model_dir: Path) -> LongPrompts:
-    """Random ordinary tokens (no added or special one), each prompt's first token its own, so no prompt shares a
-    prefix with another (the warm-up one included) and no server finds one in its cache."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+def long_prompts(lengths: list[int], model: Path) -> LongPrompts:
+    """Random ordinary tokens (no added or special one) of the model's vocabulary (a model directory's, or a GGUF
+    file's own), each prompt's first token its own, so no prompt shares a prefix with another (the warm-up one
+    included) and no server finds one in its cache."""
+    tokenizer = (AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name) if model.suffix == ".gguf"
+                 else AutoTokenizer.from_pretrained(model))
     ordinary = sorted(set(range(len(tokenizer))) - set(tokenizer.added_tokens_decoder))
     sizes = [min(lengths)] + [length for length in lengths for _ in range(PROMPTS_PER_LENGTH)]
     rng = random.Random(PREFILL_SEED)
@@ -377,8 +379,10 @@ def longest_sequence(prompt_lengths: list[int]) -> int:
 
 
 def llama_server_context(slots: int, max_tokens: int, prompt_lengths: list[int]) -> int:
-    """Tokens of llama-server's KV cache (its context, shared by the slots), enough for the longest prompt too."""
-    return max(slots * (PROMPT_TOKENS_PER_SLOT + max_tokens), longest_sequence(prompt_lengths))
+    """Tokens of llama-server's KV cache (its context, shared by the slots), enough for the longest prompt too, in
+    whole blocks of ours (which then holds as many: a sequence takes whole blocks)."""
+    tokens = max(slots * (PROMPT_TOKENS_PER_SLOT + max_tokens), longest_sequence(prompt_lengths))
+    return -(-tokens // EngineConfig.block_size) * EngineConfig.block_size
 
 
 def vllm_dtype(requested: str, isa: str) -> str:
@@ -585,9 +589,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompt_tokens = [int(n) for n in args.prompt_tokens.split(",") if n]
     if not args.levels and not args.prompt_tokens:
         parser.error("nothing to measure: --streams 0 and no --prompt-tokens")
-    if args.gguf and (args.hf or args.vllm_python or args.in_process or args.prompt_tokens):
-        parser.error("--gguf compares ours with llama-server only (no --hf, --vllm-python, --in-process), on "
-                     "streams (no --prompt-tokens: their token ids are the default model's)")
+    if args.gguf and (args.hf or args.vllm_python or args.in_process):
+        parser.error("--gguf compares ours with llama-server only (no --hf, --vllm-python, --in-process)")
     if args.hf and args.llama_server:
         parser.error("--hf serves a checkpoint to ours and vLLM; llama-server takes its GGUF with --gguf")
     if args.in_process and not args.levels:
@@ -614,7 +617,8 @@ def main() -> None:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tritonllm-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     model_dir = None if args.gguf else (args.hf.resolve() if args.hf else prepare_default_model())
-    prompts = long_prompts(args.prompt_tokens, model_dir) if args.prompt_tokens else None
+    prompts = long_prompts(args.prompt_tokens, args.gguf.resolve() if args.gguf else model_dir) if args.prompt_tokens \
+        else None
     print(f"CPU: {cpu_description()}; code paths: {args.isa}; load average {os.getloadavg()}")
     roofline = None
     if args.gguf or args.hf:

@@ -334,9 +334,10 @@ def block_matmul_amx(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]]
         _checked(blocks, "weights", torch.uint8, (rows, inputs // block_inputs, block_bytes))
         if not blocks.is_contiguous():
             raise ValueError("weights: not contiguous (pack them once, at load)")
-    # rows padded by 64 bytes: tile loads of rows a power of two apart contend for the same cache sets
-    padded = torch.zeros(tokens + -tokens % AMX_TOKENS, inputs + AMX_ROW_PAD, dtype=torch.bfloat16)
+    # rows padded by 64 bytes (never read): tile loads of rows a power of two apart contend for the same cache sets
+    padded = torch.empty(tokens + -tokens % AMX_TOKENS, inputs + AMX_ROW_PAD, dtype=torch.bfloat16)
     padded[:tokens, :inputs] = x
+    padded[tokens:, :inputs].zero_()  # rows computed, then left out
     width = sum(rows for _, _, rows in parts)
     out = torch.empty(padded.shape[0], width, dtype=torch.float32)
     column = 0
