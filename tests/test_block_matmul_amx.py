@@ -44,7 +44,8 @@ KINDS = ["int4", "int5", *GGUF_KINDS]
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows, tokens", [(16, 1), (48, 37), (96, 70)])  # 48: a last task of 16 rows
+# 48 rows: a last task of 16; 600 tokens: more than one chunk of 512
+@pytest.mark.parametrize("rows, tokens", [(16, 1), (48, 37), (96, 70), (32, 600)])
 def test_each_kind_is_its_weights_rounded_to_bf16_summed_in_float32(kind, rows, tokens):
     width = 512
     blocks, dense = _blocks(kind, rows, width)

@@ -309,7 +309,6 @@ def q6_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 # blocks.h's enum: what a projection's blocks are
 BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6}
 AMX_TOKENS = 32  # block_matmul_amx.c's tokens a step
-AMX_ROW_PAD = 32  # bf16
 BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK), "q8_0": (Q8_BYTES, QUANT_BLOCK),
                "q5_0": (Q5_BYTES, QUANT_BLOCK), "q4_k": (Q4_K_BYTES, SUPER_BLOCK), "q5_k": (Q5_K_BYTES, SUPER_BLOCK),
                "q6_k": (Q6_K_BYTES, SUPER_BLOCK)}
@@ -334,10 +333,9 @@ def block_matmul_amx(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]]
         _checked(blocks, "weights", torch.uint8, (rows, inputs // block_inputs, block_bytes))
         if not blocks.is_contiguous():
             raise ValueError("weights: not contiguous (pack them once, at load)")
-    # rows padded by 64 bytes (never read): tile loads of rows a power of two apart contend for the same cache sets
-    padded = torch.empty(tokens + -tokens % AMX_TOKENS, inputs + AMX_ROW_PAD, dtype=torch.bfloat16)
-    padded[:tokens, :inputs] = x
-    padded[tokens:, :inputs].zero_()  # rows computed, then left out
+    padded = torch.empty(tokens + -tokens % AMX_TOKENS, inputs, dtype=torch.bfloat16)
+    padded[:tokens] = x
+    padded[tokens:].zero_()  # rows computed, then left out
     width = sum(rows for _, _, rows in parts)
     out = torch.empty(padded.shape[0], width, dtype=torch.float32)
     column = 0
