@@ -59,7 +59,7 @@ SIGNATURES = {
                                 _i64],
     "paged_prefill_attention_amx": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32,
                                     _p, _i64],
-    "block_matmul_amx": [_p, _i64, _i64, _i64, _i64, _p, _i64, _p, _i64],
+    "block_matmul_amx": [_p, _i64, _i64, _i64, _p, _i64, _p, _i64],
     "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
     "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _i64],
@@ -317,14 +317,15 @@ BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK
 
 def has_amx_tiles() -> bool:
     """Whether this library, CPU and OS run the ops on AMX tiles."""
-    return _library is not None and _library.block_matmul_amx(None, 0, 0, 0, 0, None, 0, None, 0) == 0
+    return _library is not None and _library.block_matmul_amx(None, 0, 0, 0, None, 0, None, 0) == 0
 
 
 def block_matmul_amx(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]]) -> torch.Tensor:
-    """x [tokens, in] (rounded to bf16 here) @ a projection's weights [out, in].T → [tokens, out] float32, on AMX
-    tiles (block_matmul_amx.c), the weights read from their blocks: parts are (BLOCK_KINDS name, blocks as the
-    fp32-activation ops take them, output rows, a multiple of 16) in output order. Only where has_amx_tiles()."""
-    _checked(x, "x", None, (None, None))
+    """x [tokens, in] float32 (rounded to bf16 in the op) @ a projection's weights [out, in].T → [tokens, out]
+    float32, on AMX tiles (block_matmul_amx.c), the weights read from their blocks: parts are (BLOCK_KINDS name,
+    blocks as the fp32-activation ops take them, output rows, a multiple of 16) in output order. Only where
+    has_amx_tiles()."""
+    _checked(x, "x", torch.float32, (None, None))
     tokens, inputs = x.shape
     for kind, blocks, rows in parts:
         block_bytes, block_inputs = BLOCK_BYTES[kind]
@@ -333,15 +334,13 @@ def block_matmul_amx(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]]
         _checked(blocks, "weights", torch.uint8, (rows, inputs // block_inputs, block_bytes))
         if not blocks.is_contiguous():
             raise ValueError("weights: not contiguous (pack them once, at load)")
-    padded = torch.empty(tokens + -tokens % AMX_TOKENS, inputs, dtype=torch.bfloat16)
-    padded[:tokens] = x
-    padded[tokens:].zero_()  # rows computed, then left out
+    x = x.contiguous()
     width = sum(rows for _, _, rows in parts)
-    out = torch.empty(padded.shape[0], width, dtype=torch.float32)
+    out = torch.empty(tokens + -tokens % AMX_TOKENS, width, dtype=torch.float32)  # rows past `tokens` left out
     column = 0
     for kind, blocks, rows in parts:
-        if _library.block_matmul_amx(padded.data_ptr(), padded.shape[1], padded.shape[0], inputs, BLOCK_KINDS[kind],
-                                     blocks.data_ptr(), rows, out.data_ptr() + 4 * column, width):
+        if _library.block_matmul_amx(x.data_ptr(), tokens, inputs, BLOCK_KINDS[kind], blocks.data_ptr(), rows,
+                                     out.data_ptr() + 4 * column, width):
             raise RuntimeError("block_matmul_amx: no AMX tiles here (ask has_amx_tiles() first)")
         column += rows
     return out[:tokens]

@@ -3,19 +3,22 @@
 #include "blocks.h"
 
 /* ---- prompt rows' projections over a GGUF's blocks on AMX bf16 tiles (prompts computed in bfloat16) ----
- * y[T][N] (rows y_stride floats apart) = x[T][K] . W[N][K]^T, x in bf16, each weight dequantized from its block (the
- * file's number, exactly) and rounded to bf16, products summed in fp32: what a bf16 matmul over a bf16 copy of the
- * weights computes, without the copy (2 bytes a weight). T a multiple of AMX_TOKENS (the caller pads), N of 16.
- * The tokens are first laid out as left operands (16 tokens x 32 inputs, 1 KiB each, contiguous). A task is 32
+ * y[T][N] (rows y_stride floats apart) = x[T][K] . W[N][K]^T, x rounded to bf16 (denormals to 0), each weight
+ * dequantized from its block (the file's number, exactly) and rounded to bf16, products summed in fp32: what a bf16
+ * matmul over a bf16 copy of the weights computes, without the copy (2 bytes a weight). N a multiple of 16; y has
+ * rows up to a whole number of AMX_TOKENS (those past T are written, then left out by the caller).
+ * The tokens are first rounded into a buffer of left operands' rows (the op's own, kept between calls). A task is 32
  * output rows: their weights are dequantized into right operands (per block of 32 inputs, 16 rows as 16 pairs of
  * inputs: 1 KiB, the task's K * 64 bytes staying in L2) once per TOKEN_CHUNK tokens, then every 32 of those tokens
- * accumulate 2 x 2 output tiles over K in block order. A row's result depends on its own inputs and the weights alone: batch-invariant. */
+ * accumulate 2 x 2 output tiles over K in block order. A row's result depends on its own inputs and the weights
+ * alone: batch-invariant. */
 
 #ifdef AMX_BUILD
 
 #define AMX_TOKENS 32       /* a step's tokens: two left operands of 16 rows */
 #define TASK_ROWS 32        /* a task's output rows: two right operands of 16 columns */
 #define OPERAND_WORDS 512   /* bf16 in a right operand (16 pairs of rows x 32) */
+#define ROW_PAD 32          /* bf16 after each token's inputs */
 #define TOKEN_CHUNK 512 /* tokens a task's weights serve before the next task's (their left operands then stay in
                          * L2; fewer than 512 dequantize each task's weights too often where K is large) */
 
@@ -69,20 +72,39 @@ static RightOperands right_operands(int64_t kind, int64_t blocks, int64_t *row_b
     }
 }
 
+/* At least `bytes` of 64-byte aligned memory owned by the calling thread and kept for its next call: a fresh
+ * allocation of this size is an mmap, whose page faults on every call cost more than small matmuls take. */
+typedef struct {
+    void *memory;
+    size_t bytes;
+} Scratch;
+
+static void *scratch(Scratch *kept, size_t bytes) {
+    if (kept->bytes < bytes) {
+        free(kept->memory);
+        kept->memory = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        kept->bytes = bytes;
+    }
+    return kept->memory;
+}
+
+static _Thread_local Scratch left_scratch, operand_scratch; /* the caller's tokens; each OpenMP thread's weights */
+
 /* Tokens t0 .. t1 - 1 (whole AMX_TOKENS) of the left operands times a task's right operands (its last 16 rows only
  * unless `wide`), into y's rows t0 .. and the task's columns. */
 static void multiply_task(const uint16_t *left, int64_t blocks, const uint16_t *operands, int wide, int64_t t0,
                           int64_t t1, float *y, int64_t y_stride) {
+    const int64_t stride = blocks * QUANT_BLOCK + ROW_PAD;
     for (; t0 < t1; t0 += AMX_TOKENS) {
-        const uint16_t *tokens = left + t0 / 16 * blocks * OPERAND_WORDS;
+        const uint16_t *tokens = left + t0 * stride;
         _tile_zero(4);
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
         for (int64_t b = 0; b < blocks; b++) {
             const uint16_t *right = operands + b * 2 * OPERAND_WORDS;
-            _tile_loadd(0, tokens + b * OPERAND_WORDS, 64);
-            _tile_loadd(1, tokens + (blocks + b) * OPERAND_WORDS, 64);
+            _tile_loadd(0, tokens + b * QUANT_BLOCK, stride * 2);
+            _tile_loadd(1, tokens + 16 * stride + b * QUANT_BLOCK, stride * 2);
             _tile_loadd(2, right, 64);
             _tile_dpbf16ps(4, 0, 2);
             _tile_dpbf16ps(6, 1, 2);
@@ -102,27 +124,33 @@ static void multiply_task(const uint16_t *left, int64_t blocks, const uint16_t *
     }
 }
 
-int64_t block_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t T, int64_t K, int64_t kind,
-                         const uint8_t *weights, int64_t N, float *y, int64_t y_stride) {
+int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
+                         float *y, int64_t y_stride) {
     if (!amx_permitted()) return 1;
     if (T == 0) return 0;
     const int64_t blocks = K / QUANT_BLOCK, tasks = (N + TASK_ROWS - 1) / TASK_ROWS;
     int64_t row_bytes;
     const RightOperands operands_of = right_operands(kind, blocks, &row_bytes);
-    /* the tokens as left operands, each 16 tokens x 32 inputs contiguous (1 KiB): tile loads then read whole lines
-     * in order (rows K * 2 bytes apart, a power of two, would all contend for the same cache sets) */
-    uint16_t *left = aligned_alloc(64, (size_t)T * K * 2);
+    /* the tokens rounded to bf16 (zeros past T), the left operands' rows, ROW_PAD apart more than K (rows a power
+     * of two bytes apart would send a tile load's 16 rows to the same cache sets) */
+    const int64_t padded = (T + AMX_TOKENS - 1) / AMX_TOKENS * AMX_TOKENS;
+    uint16_t *left = scratch(&left_scratch, (size_t)padded * (K + ROW_PAD) * 2);
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t tile = 0; tile < T / 16; tile++)
+        for (int64_t tile = 0; tile < padded / 16; tile++)
             for (int64_t b = 0; b < blocks; b++)
-                for (int r = 0; r < 16; r++)
-                    _mm512_store_si512(left + (tile * blocks + b) * OPERAND_WORDS + r * QUANT_BLOCK,
-                                       _mm512_loadu_si512(x + (tile * 16 + r) * x_stride + b * QUANT_BLOCK));
-        uint16_t *operands = aligned_alloc(64, (size_t)blocks * TASK_ROWS / 16 * OPERAND_WORDS * 2);
+                for (int r = 0; r < 16; r++) {
+                    const int64_t t = tile * 16 + r;
+                    const float *inputs = x + t * K + b * QUANT_BLOCK;
+                    const __m512i row = t < T ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(inputs + 16),
+                                                                               _mm512_loadu_ps(inputs))
+                                              : _mm512_setzero_si512();
+                    _mm512_storeu_si512(left + t * (K + ROW_PAD) + b * QUANT_BLOCK, row);
+                }
+        uint16_t *operands = scratch(&operand_scratch, (size_t)blocks * TASK_ROWS / 16 * OPERAND_WORDS * 2);
         configure_tiles(); /* tmm0-1 the tokens, tmm2-3 the weights, tmm4-7 the outputs */
-        for (int64_t chunk = 0; chunk < T; chunk += TOKEN_CHUNK) {
+        for (int64_t chunk = 0; chunk < padded; chunk += TOKEN_CHUNK) {
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < tasks; task++) {
                 const int64_t n0 = task * TASK_ROWS;
@@ -130,21 +158,19 @@ int64_t block_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t T, int64_t
                 for (int half = 0; half <= wide; half++)
                     operands_of(weights + (n0 + 16 * half) * row_bytes, row_bytes, blocks,
                                 operands + half * OPERAND_WORDS, 2 * OPERAND_WORDS);
-                multiply_task(left, blocks, operands, wide, chunk, T - chunk < TOKEN_CHUNK ? T : chunk + TOKEN_CHUNK,
-                              y + n0, y_stride);
+                multiply_task(left, blocks, operands, wide, chunk,
+                              padded - chunk < TOKEN_CHUNK ? padded : chunk + TOKEN_CHUNK, y + n0, y_stride);
             }
         }
         _tile_release();
-        free(operands);
     }
-    free(left);
     return 0;
 }
 
 #else
 
-int64_t block_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t T, int64_t K, int64_t kind,
-                         const uint8_t *weights, int64_t N, float *y, int64_t y_stride) {
+int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
+                         float *y, int64_t y_stride) {
     return 1;
 }
 

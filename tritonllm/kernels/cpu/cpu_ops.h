@@ -42,8 +42,8 @@ int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t ch
                                     const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
                                     const int64_t *block_tables, int64_t table_stride, float scale, float *out,
                                     int64_t half);
-int64_t block_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t T, int64_t K, int64_t kind,
-                         const uint8_t *weights, int64_t N, float *y, int64_t y_stride);
+int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
+                         float *y, int64_t y_stride);
 
 void rms_norm(const float *x, const float *residual, const float *weight, int64_t rows, int64_t width, float eps,
               float *out, float *summed);
