@@ -9,7 +9,7 @@
  * rows up to a whole number of AMX_TOKENS (those past T are written, then left out by the caller).
  * The tokens are first rounded into a buffer of left operands' rows (the op's own, kept between calls). A task is 32
  * output rows: their weights are dequantized into right operands (per block of 32 inputs, 16 rows as 16 pairs of
- * inputs: 1 KiB, the task's K * 64 bytes staying in L2) once per TOKEN_CHUNK tokens, then every 32 of those tokens
+ * inputs: 1 KiB, the task's K * 64 bytes staying in L2) once per AMX_CHUNK tokens, then every 32 of those tokens
  * accumulate 2 x 2 output tiles over K in block order. A row's result depends on its own inputs and the weights
  * alone: batch-invariant. */
 
@@ -19,8 +19,8 @@
 #define TASK_ROWS 32        /* a task's output rows: two right operands of 16 columns */
 #define OPERAND_WORDS 512   /* bf16 in a right operand (16 pairs of rows x 32) */
 #define ROW_PAD 32          /* bf16 after each token's inputs */
-#define TOKEN_CHUNK 512 /* tokens a task's weights serve before the next task's (their left operands then stay in
-                         * L2; fewer than 512 dequantize each task's weights too often where K is large) */
+#define AMX_CHUNK 512       /* tokens a task's weights serve before the next task's (their left operands then stay
+                             * in L2; fewer dequantize each task's weights too often where K is large) */
 
 typedef void (*RightOperands)(const uint8_t *rows, int64_t row_bytes, int64_t blocks, uint16_t *operands,
                               int64_t stride);
@@ -51,24 +51,16 @@ typedef void (*RightOperands)(const uint8_t *rows, int64_t row_bytes, int64_t bl
         }                                                                                                        \
     }
 
-RIGHT_OPERANDS(int4_operands, dequantize_q4_1, no_scales, Q4_1_BYTES, 1, 1)
-RIGHT_OPERANDS(int5_operands, dequantize_q5_1, no_scales, Q5_1_BYTES, 1, 1)
-RIGHT_OPERANDS(q8_0_operands, dequantize_q8_0, no_scales, Q8_0_BYTES, 1, 1)
-RIGHT_OPERANDS(q5_0_operands, dequantize_q5_0, no_scales, Q5_0_BYTES, 1, 1)
-RIGHT_OPERANDS(q4_k_operands, dequantize_q4_k, q4_k_scales, Q4_K_BYTES, SUPER_BLOCKS, Q4_K_UNIT)
-RIGHT_OPERANDS(q5_k_operands, dequantize_q5_k, q4_k_scales, Q5_K_BYTES, SUPER_BLOCKS, Q5_K_UNIT)
-RIGHT_OPERANDS(q6_k_operands, dequantize_q6_k, q6_k_scales, Q6_K_BYTES, SUPER_BLOCKS, Q6_K_UNIT)
+#define KIND_OPERANDS(KIND, OP, NAME, ...) RIGHT_OPERANDS(NAME##_operands, __VA_ARGS__)
+BLOCK_FORMATS(KIND_OPERANDS)
 
-/* A kind's right operands, and its bytes a row of `blocks` blocks of 32 inputs. */
+/* A kind's right operands, and its bytes a row of `blocks` blocks of 32 inputs; NULL for no kind of blocks.h's. */
 static RightOperands right_operands(int64_t kind, int64_t blocks, int64_t *row_bytes) {
     switch (kind) {
-    case INT4_BLOCKS: *row_bytes = blocks * Q4_1_BYTES; return int4_operands;
-    case INT5_BLOCKS: *row_bytes = blocks * Q5_1_BYTES; return int5_operands;
-    case Q8_0_BLOCKS: *row_bytes = blocks * Q8_0_BYTES; return q8_0_operands;
-    case Q5_0_BLOCKS: *row_bytes = blocks * Q5_0_BYTES; return q5_0_operands;
-    case Q4_K_BLOCKS: *row_bytes = blocks / SUPER_BLOCKS * Q4_K_BYTES; return q4_k_operands;
-    case Q5_K_BLOCKS: *row_bytes = blocks / SUPER_BLOCKS * Q5_K_BYTES; return q5_k_operands;
-    default: *row_bytes = blocks / SUPER_BLOCKS * Q6_K_BYTES; return q6_k_operands;
+#define KIND_CASE(KIND, OP, NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT)                                       \
+    case KIND: *row_bytes = blocks / (SUB) * (SUPER_BYTES); return NAME##_operands;
+        BLOCK_FORMATS(KIND_CASE)
+    default: return NULL;
     }
 }
 
@@ -131,6 +123,7 @@ int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, con
     const int64_t blocks = K / QUANT_BLOCK, tasks = (N + TASK_ROWS - 1) / TASK_ROWS;
     int64_t row_bytes;
     const RightOperands operands_of = right_operands(kind, blocks, &row_bytes);
+    if (operands_of == NULL) return 1; /* (the binding passes only BLOCK_KINDS) */
     /* the tokens rounded to bf16 (zeros past T), the left operands' rows, ROW_PAD apart more than K (rows a power
      * of two bytes apart would send a tile load's 16 rows to the same cache sets) */
     const int64_t padded = (T + AMX_TOKENS - 1) / AMX_TOKENS * AMX_TOKENS;
@@ -150,7 +143,7 @@ int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, con
                 }
         uint16_t *operands = scratch(&operand_scratch, (size_t)blocks * TASK_ROWS / 16 * OPERAND_WORDS * 2);
         configure_tiles(); /* tmm0-1 the tokens, tmm2-3 the weights, tmm4-7 the outputs */
-        for (int64_t chunk = 0; chunk < padded; chunk += TOKEN_CHUNK) {
+        for (int64_t chunk = 0; chunk < padded; chunk += AMX_CHUNK) {
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < tasks; task++) {
                 const int64_t n0 = task * TASK_ROWS;
@@ -159,7 +152,7 @@ int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, con
                     operands_of(weights + (n0 + 16 * half) * row_bytes, row_bytes, blocks,
                                 operands + half * OPERAND_WORDS, 2 * OPERAND_WORDS);
                 multiply_task(left, blocks, operands, wide, chunk,
-                              padded - chunk < TOKEN_CHUNK ? padded : chunk + TOKEN_CHUNK, y + n0, y_stride);
+                              padded - chunk < AMX_CHUNK ? padded : chunk + AMX_CHUNK, y + n0, y_stride);
             }
         }
         _tile_release();

@@ -271,3 +271,14 @@ static inline void dequantize_q6_k(const uint8_t *super, int j, const float *tab
     }
 #endif
 }
+
+/* Every kind of blocks the kernels read, declared once: X(kind, its fp32-activation op, its name, DEQUANTIZE, SCALES,
+ * SUPER_BYTES, SUB, UNIT) */
+#define BLOCK_FORMATS(X)                                                                                      \
+    X(INT4_BLOCKS, q4_matmul, int4, dequantize_q4_1, no_scales, Q4_1_BYTES, 1, 1)                            \
+    X(INT5_BLOCKS, q5_1_matmul, int5, dequantize_q5_1, no_scales, Q5_1_BYTES, 1, 1)                          \
+    X(Q8_0_BLOCKS, q8_matmul, q8_0, dequantize_q8_0, no_scales, Q8_0_BYTES, 1, 1)                            \
+    X(Q5_0_BLOCKS, q5_matmul, q5_0, dequantize_q5_0, no_scales, Q5_0_BYTES, 1, 1)                            \
+    X(Q4_K_BLOCKS, q4_k_matmul, q4_k, dequantize_q4_k, q4_k_scales, Q4_K_BYTES, SUPER_BLOCKS, Q4_K_UNIT)     \
+    X(Q5_K_BLOCKS, q5_k_matmul, q5_k, dequantize_q5_k, q4_k_scales, Q5_K_BYTES, SUPER_BLOCKS, Q5_K_UNIT)     \
+    X(Q6_K_BLOCKS, q6_k_matmul, q6_k, dequantize_q6_k, q6_k_scales, Q6_K_BYTES, SUPER_BLOCKS, Q6_K_UNIT)

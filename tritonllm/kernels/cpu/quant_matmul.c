@@ -146,13 +146,8 @@ MICROKERNEL(1, 1)
         }                                                                                                       \
     }
 
-BLOCK_MATMUL(q4_matmul, dequantize_q4_1, no_scales, Q4_1_BYTES, 1, 1)
-BLOCK_MATMUL(q5_1_matmul, dequantize_q5_1, no_scales, Q5_1_BYTES, 1, 1)
-BLOCK_MATMUL(q8_matmul, dequantize_q8_0, no_scales, Q8_0_BYTES, 1, 1)
-BLOCK_MATMUL(q5_matmul, dequantize_q5_0, no_scales, Q5_0_BYTES, 1, 1)
-BLOCK_MATMUL(q4_k_matmul, dequantize_q4_k, q4_k_scales, Q4_K_BYTES, SUPER_BLOCKS, Q4_K_UNIT)
-BLOCK_MATMUL(q5_k_matmul, dequantize_q5_k, q4_k_scales, Q5_K_BYTES, SUPER_BLOCKS, Q5_K_UNIT)
-BLOCK_MATMUL(q6_k_matmul, dequantize_q6_k, q6_k_scales, Q6_K_BYTES, SUPER_BLOCKS, Q6_K_UNIT)
+#define FP32_MATMUL(KIND, OP, NAME, ...) BLOCK_MATMUL(OP, __VA_ARGS__)
+BLOCK_FORMATS(FP32_MATMUL)
 
 /* ---- the same projections with int8 activations, llama.cpp's way (its Q8_1 activations): each token's inputs
  * are quantized per block of 32 to codes qx = round(x / dx), |qx| <= 127, with the block's own scale dx = absmax /
