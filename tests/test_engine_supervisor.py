@@ -49,6 +49,7 @@ class _FakeServer:
         self.processes = {self._spawn(): "llm_0_0", self._spawn(): "llm_0_1"}
         self.loads = 0
         self.starts = 0
+        self.aborts_on_load = False
         self.process = subprocess.Popen(["sleep", "60"])  # tritonserver
         self.children.append(self.process)
 
@@ -79,6 +80,10 @@ class _FakeServer:
 
     def model_control(self, action):
         assert action == "load"
+        if self.aborts_on_load:  # its Python backend aborted on the dead engine's lock, as the reload began
+            self.aborts_on_load = False
+            self.process.kill()
+            raise RuntimeError("<urlopen error [Errno 111] Connection refused>")
         self.loads += 1
         self.processes.update({self._spawn(): "llm_0_0", self._spawn(): "llm_0_1"})
 
@@ -144,6 +149,19 @@ def test_a_dead_tritonserver_is_started_again_within_the_same_budget():
         server.kill("llm_0_1")  # one of the new engines: the budget is spent
         _wait(gave_up.is_set)
         assert server.loads == 0 and server.starts == 1
+
+
+def test_tritonserver_ending_during_an_engines_reload_is_started_again_as_one_death():
+    """The engine's death is seen first, then tritonserver aborts (the dead engine held its lock) and the reload
+    fails: serve starts tritonserver again, counting the one event once against the budget."""
+    with _supervised() as (server, deaths, recoveries, gave_up):
+        server.aborts_on_load = True
+        server.kill("llm_0_1")
+        _wait(lambda: recoveries)
+        assert [instance for instance, _ in deaths] == ["llm_0_1", "tritonserver"] and server.starts == 1
+        assert not gave_up.is_set() and sorted(server.engine_processes().values()) == ["llm_0_0", "llm_0_1"]
+        server.kill("llm_0_0")  # the budget (one restart) is spent
+        _wait(gave_up.is_set)
 
 
 def test_a_request_sent_before_the_reload_does_not_mark_the_new_instances_dead():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections import deque
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.2
 _SERVER = "tritonserver"  # what /health names when tritonserver itself died
+_SERVER_EXIT_S = 5.0  # a reload that failed: how long tritonserver may take to finish aborting
 _SURVIVORS_SILENT_S = 4.0  # the adapter fails calls silent for 2 s while an engine is dead (TritonClient._SILENT_S)
 
 
@@ -118,17 +120,18 @@ class EngineSupervisor:
             known = {pid: instance for pid, instance in self.server.engine_processes().items() if pid not in known}
             self.on_recovered()
 
-    def _restart_server(self) -> bool:
+    def _restart_server(self, counted: bool = False) -> bool:
         """tritonserver itself ended (its Python backend can abort when an engine process dies in the middle of a
         response: boost::interprocess::lock_exception on the dead process's mutex). Start it again, within the same
-        budget; False (after giving up) when that is spent or the start fails."""
+        budget (`counted`: the engine death that took it down was counted already); False (after giving up) when
+        that is spent or the start fails."""
         if self._stop.is_set():
             return False
         code = self.server.process.returncode
         log.error("tritonserver exited with code %s; its requests fail with 503. Its last log lines:\n%s", code,
                   self.server.log_tail())
         self.on_death(_SERVER, f"tritonserver exited with code {code}")
-        if not self.budget.take():
+        if not counted and not self.budget.take():
             self.on_give_up(f"tritonserver and engine processes died more than {self.budget.max_restarts} times in "
                             f"{self.budget.window_s:.0f} s")
             return False
@@ -145,6 +148,14 @@ class EngineSupervisor:
         self.on_recovered()
         return True
 
+    def _server_ended(self) -> bool:
+        """Whether tritonserver has ended, or ends within _SERVER_EXIT_S (an abort takes a moment to finish)."""
+        try:
+            self.server.process.wait(_SERVER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def _reload(self, known: dict[int, str], ended: dict[int, str]) -> bool:
         """Reload the model; False (after giving up) when that fails."""
         started = time.monotonic()
@@ -152,8 +163,11 @@ class EngineSupervisor:
         try:
             self.server.model_control("load")
         except RuntimeError as error:
-            if not self._stop.is_set():
-                self.on_give_up(f"reloading the model failed: {error}")
+            if self._stop.is_set():
+                return False
+            if self._server_ended():  # it aborted on the dead engine's lock, after the engine's death was seen
+                return self._restart_server(counted=True)
+            self.on_give_up(f"reloading the model failed: {error}")
             return False
         log.warning("model reloaded in %.1f s", time.monotonic() - started)
         # Triton now sends every request to the new instances, but never finishes unloading the old version (the
