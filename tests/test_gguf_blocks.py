@@ -190,13 +190,13 @@ def test_a_gguf_read_as_it_is_gives_its_dense_conversions_logits(gguf_model_dir,
 
 
 def test_a_gguf_read_as_it_is_runs_bf16_prompts_on_its_blocks_without_a_copy(gguf_model_dir, converted_model_dir):
-    """auto's bf16 prompts need no dense copy where the CPU has AMX tiles: a projection's prompt rows run on its blocks
-    (block_matmul_amx), and only a projection of a type the kernels do not cover (the tiny file's Q3_K, dequantized
-    anyway) holds bf16 weights for them. The conversion runs the same blocks: the same logits. Without the tiles
-    auto keeps float32 prompts (a copy would defeat reading the blocks alone)."""
+    """auto's bf16 prompts need no dense copy where the CPU has bf16 hardware (AMX, AVX512-BF16): a projection's
+    prompt rows run on its blocks (block_matmul_bf16), and only a projection of a type the kernels do not cover (the
+    tiny file's Q3_K, dequantized anyway) holds bf16 weights for them. The conversion runs the same blocks: the same
+    logits. Without it auto keeps float32 prompts (a copy would defeat reading the blocks alone)."""
     ids = list(range(100, 140))
     linked, description = load_model(EngineConfig(), gguf_model_dir, torch.device("cpu"))
-    if not (cpu_ops.has_amx_tiles() and linear.cpu_has_amx()):
+    if not (cpu_ops.has_bf16_ops() and linear.cpu_has_bf16()):
         assert description == "int4 (cpu_ops kernel, float32 activations)"
         return
     assert description == "int4 (cpu_ops kernel, float32 activations), bfloat16 prompts"

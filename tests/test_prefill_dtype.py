@@ -1,5 +1,5 @@
-"""prefill_dtype=bfloat16: prompt rows on the CPU's bf16 matrix units. The attention op's two paths (the AMX kernel,
-torch's flash kernel) against the float32 reference, a position's result independent of how its prompt is cut into
+"""prefill_dtype=bfloat16: prompt rows on the CPU's bf16 matrix units. The attention op's paths (the C kernel on AMX
+tiles and as AVX512-BF16 dot products, torch's flash kernel) against the float32 reference, a position's result independent of how its prompt is cut into
 chunks (to the bit), the engine's output
 close to float32 prompts' and independent of what a prompt is batched with; where it may not be asked for and where
 auto takes it."""
@@ -49,15 +49,23 @@ def in_chunks(op, chunks: list[int], q, k_cache, v_cache, table) -> torch.Tensor
     return torch.cat(out)
 
 
-def prefill_attention_amx(*args) -> torch.Tensor:
-    assert cpu.load(cpu_ops_dir())  # the test machines have a C compiler
-    out = cpu.prefill_attention_amx(*args)
-    if out is None:
-        pytest.skip("no AMX tiles on this CPU (or OS): prefill_attention_bf16 takes the flash path")
-    return out
+def kernel(tiles: bool):
+    """The C kernel on AMX tiles, or as dot products."""
+
+    def op(*args) -> torch.Tensor:
+        assert cpu.load(cpu_ops_dir())  # the test machines have a C compiler
+        if tiles and not cpu.has_amx_tiles():
+            pytest.skip("no AMX tiles on this CPU (or OS): the kernel runs as dot products")
+        out = cpu.prefill_attention_bf16(*args, tiles=tiles)
+        if out is None:
+            pytest.skip("no AVX512-BF16 on this CPU: prefill_attention_bf16 takes the flash path")
+        return out
+
+    return op
 
 
-PATHS = [pytest.param(prefill_attention_amx, id="amx"), pytest.param(prefill_attention_flash, id="flash")]
+PATHS = [pytest.param(kernel(True), id="amx"), pytest.param(kernel(False), id="avx512-bf16"),
+         pytest.param(prefill_attention_flash, id="flash")]
 
 
 @pytest.mark.parametrize("op", PATHS)
@@ -73,7 +81,7 @@ def test_bf16_attention_is_close_to_the_float32_reference(op):
 def test_bf16_attention_of_a_position_does_not_depend_on_the_chunks(op):
     """Chunks of 1 to 700 rows, starting anywhere: every position the same bits as the whole prompt in one chunk.
     The flash kernel's sums follow its key splits and its rows' place in a tile of queries: without the fixed
-    segments and tile-aligned rows, a chunk of 201 rows gave one position other bits here. The AMX kernel's block
+    segments and tile-aligned rows, a chunk of 201 rows gave one position other bits here. The C kernel's block
     maxima must leave out the keys after a query: with them, these cuttings gave other bits."""
     inputs = context(1300)
     warm_up(HEADS, KV_HEADS, HEAD_DIM)  # the flash kernel's first calls in a process may differ, as at engine load
@@ -84,15 +92,17 @@ def test_bf16_attention_of_a_position_does_not_depend_on_the_chunks(op):
         assert torch.equal(in_chunks(op, chunks, *inputs), whole), chunks
 
 
-def test_the_amx_kernel_reads_a_float16_cache_and_batched_chunks_as_one_at_a_time():
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx", "avx512-bf16"])
+def test_the_c_kernel_reads_a_float16_cache_and_batched_chunks_as_one_at_a_time(tiles):
     """Two prompts' chunks in one call, from a float16 KV cache: each as its own call gives."""
+    prefill_attention_c = kernel(tiles)
     q, k_cache, v_cache, table = context(700, seed=1)
     k_cache, v_cache = k_cache.half(), v_cache.half()
     tables = torch.cat([table, table.roll(5, 1)])  # the second prompt: the same blocks in another order
     starts, lens, contexts = torch.tensor([0, 300]), torch.tensor([300, 150]), torch.tensor([500, 650])
-    both = prefill_attention_amx(q[:450], k_cache, v_cache, starts, lens, contexts, tables, HEAD_DIM ** -0.5)
+    both = prefill_attention_c(q[:450], k_cache, v_cache, starts, lens, contexts, tables, HEAD_DIM ** -0.5)
     for i in range(2):
-        alone = prefill_attention_amx(q[starts[i]:starts[i] + lens[i]], k_cache, v_cache, torch.tensor([0]),
+        alone = prefill_attention_c(q[starts[i]:starts[i] + lens[i]], k_cache, v_cache, torch.tensor([0]),
                                       lens[i:i + 1], contexts[i:i + 1], tables[i:i + 1], HEAD_DIM ** -0.5)
         assert torch.equal(both[starts[i]:starts[i] + lens[i]], alone)
     expected = prefill_attention_reference(q[:450], k_cache, v_cache, starts, lens, contexts, tables,
@@ -101,13 +111,13 @@ def test_the_amx_kernel_reads_a_float16_cache_and_batched_chunks_as_one_at_a_tim
 
 
 def test_other_head_sizes_take_the_flash_path():
-    """The AMX kernel is written for head size 64; at 128 (Qwen3, Llama-3-8B) it declines and the op runs flash."""
+    """The C kernel is written for head size 64; at 128 (Qwen3, Llama-3-8B) it declines and the op runs flash."""
     generator = torch.Generator().manual_seed(2)
     k_cache, v_cache = (torch.randn(8, BLOCK_SIZE, 2, 128, generator=generator) for _ in range(2))
     q, table = torch.randn(100, 4, 128, generator=generator), torch.arange(8).view(1, -1)
     args = (q, k_cache, v_cache, torch.tensor([0]), torch.tensor([100]), torch.tensor([100]), table, 128 ** -0.5)
     assert cpu.load(cpu_ops_dir())
-    assert cpu.prefill_attention_amx(*args) is None
+    assert cpu.prefill_attention_bf16(*args) is None
     assert torch.equal(prefill_attention_bf16(*args), prefill_attention_flash(*args))
     assert (prefill_attention_bf16(*args) - prefill_attention_reference(*args)).abs().max().item() < 0.03
 
@@ -172,7 +182,7 @@ def test_bf16_prompts_keep_most_greedy_continuations(bf16_engines, default_model
     ours = [r.token_ids() for r in generate(bf16_engines[0], PROMPTS, greedy)]
     same = sum(a == b for a, b in zip(ours, expected))
     print(f"bf16 prompts: {same}/{len(PROMPTS)} greedy continuations identical")
-    assert same == len(PROMPTS)  # auto picks bf16 prompts on AMX CPUs: they must keep every one
+    assert same == len(PROMPTS)  # auto picks bf16 prompts on bf16 hardware: they must keep every one
 
 
 def test_bf16_prompts_are_refused_with_bf16_activations_and_without_bf16_hardware(default_model_dir, monkeypatch):
@@ -185,12 +195,13 @@ def test_bf16_prompts_are_refused_with_bf16_activations_and_without_bf16_hardwar
                    torch.device("cpu"))
 
 
-@pytest.mark.parametrize("amx, needs_copy, activations, expected", [
-    (True, False, torch.float32, torch.bfloat16),
-    (False, False, torch.float32, torch.float32),  # AVX512-BF16 alone: not measured to win, so not taken
+@pytest.mark.parametrize("bf16_hardware, needs_copy, activations, expected", [
+    (True, False, torch.float32, torch.bfloat16),  # AMX, or AVX512-BF16 alone (Zen 4/5): both measured to win
+    (False, False, torch.float32, torch.float32),  # AVX2: bf16 would be emulated
     (True, True, torch.float32, torch.float32),  # a GGUF read as its blocks: no dense copy of the weights
     (True, False, torch.bfloat16, torch.float32),  # the activations are bf16 already
 ])
-def test_auto_takes_bf16_prompts_on_amx_cpus_only(amx, needs_copy, activations, expected, monkeypatch):
-    monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: amx)
+def test_auto_takes_bf16_prompts_on_cpus_with_bf16_hardware_only(bf16_hardware, needs_copy, activations, expected,
+                                                                   monkeypatch):
+    monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: bf16_hardware)
     assert model_runner.prefill_dtype("auto", activations, needs_copy) == expected

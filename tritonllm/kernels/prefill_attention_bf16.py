@@ -54,7 +54,7 @@ def _rows(rows: torch.Tensor, before: int, total: int) -> torch.Tensor:
 def prefill_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            query_starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    out = cpu.prefill_attention_amx(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale)
+    out = cpu.prefill_attention_bf16(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale)
     if out is not None:
         return out
     return prefill_attention_flash(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale)

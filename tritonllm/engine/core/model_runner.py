@@ -21,7 +21,7 @@ from tritonllm.engine.core.lora_slots import LoraSlotPool
 from tritonllm.engine.core.scheduler import ScheduledSequence
 from tritonllm.engine.core.sequence import Sequence
 from tritonllm.engine.layers.attention import AttentionMetadata
-from tritonllm.engine.layers.linear import (BLOCK_FORMATS, Choice, candidates, choose_format, cpu_has_amx, cpu_has_bf16,
+from tritonllm.engine.layers.linear import (BLOCK_FORMATS, Choice, candidates, choose_format, cpu_has_bf16,
                                            fastest_run, onednn_available)
 from tritonllm.model_files import cpu_ops_dir
 from tritonllm.engine.layers.lora import LayerLora
@@ -114,7 +114,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         log.info("weight formats timed on the model's first %d layers (a whole copy would not fit in the "
                  "memory available)", layers)
     choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
-    prompts_on_blocks = choice.blocks and not choice.int8_activations and cpu_ops.has_amx_tiles()  # (Projection's)
+    prompts_on_blocks = choice.blocks and not choice.int8_activations and cpu_ops.has_bf16_ops()  # (Projection's)
     prefill = prefill_dtype(config.prefill_dtype, choice.dtype, blocks_alone and not prompts_on_blocks)
     if prefill == torch.bfloat16:
         arch = model.arch
@@ -148,11 +148,11 @@ def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
 
 def prefill_dtype(requested: str, activations: torch.dtype, needs_copy: bool) -> torch.dtype:
     """What the CPU engine's prompt rows compute in (engine/layers/prompt_rows.py). auto takes bf16 where it was
-    measured to win (AMX: long prompts 3-4x faster) and keeps every greedy continuation of the accuracy set
-    (tests/test_weight_formats.py), but not where it `needs_copy`, a bf16 copy of weights read as a GGUF's blocks
-    alone (whose point is no dense copy): the AMX tiles run prompts on the blocks themselves."""
+    measured to win (long prompts: AMX 3-4x faster, AVX512-BF16 alone 2.2-2.6x) and keeps every greedy continuation
+    of the accuracy set (tests/test_weight_formats.py), but not where it `needs_copy`, a bf16 copy of weights read as
+    a GGUF's blocks alone (whose point is no dense copy): the CPU ops run prompts on the blocks themselves."""
     if requested == "auto":
-        native = activations == torch.float32 and cpu_has_amx() and onednn_available() and not needs_copy
+        native = activations == torch.float32 and cpu_has_bf16() and onednn_available() and not needs_copy
         return torch.bfloat16 if native else torch.float32
     if requested == "float32":
         return torch.float32

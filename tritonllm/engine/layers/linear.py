@@ -64,11 +64,6 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def cpu_has_amx() -> bool:
-    """Whether the CPU has AMX's bf16 tiles (Intel since Sapphire Rapids)."""
-    return "amx_bf16" in _cpu_flags()
-
-
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -212,9 +207,9 @@ class MixedWeight:
 
 class Projection(nn.Module):
     """y = x @ W.T (+ bias) for one weight format and kernel; replaces an nn.Linear after loading. With
-    prefill_dtype=bfloat16 prompt rows (engine/layers/prompt_rows.py) run on the CPU's bf16 matrix units: on AMX tiles
-    straight from the GGUF's blocks where the projection is such blocks (the CPU ops' block_matmul_amx), else on bf16
-    weights prepacked for oneDNN, a copy. Either computes each row alike whatever the batch's size."""
+    prefill_dtype=bfloat16 prompt rows (engine/layers/prompt_rows.py) run on the CPU's bf16 matrix units: straight
+    from the GGUF's blocks where the projection is such blocks (the CPU ops' block_matmul_bf16: AMX tiles or
+    AVX512-BF16 dot products), else on bf16 weights prepacked for oneDNN, a copy. Either computes each row alike whatever the batch's size."""
 
     def __init__(self, bias: torch.Tensor | None):
         super().__init__()
@@ -226,7 +221,7 @@ class Projection(nn.Module):
         if matmul_dtype() != torch.bfloat16:
             out = self.matmul(x)
         elif self.prompt_parts is not None:
-            out = cpu_ops.block_matmul_amx(x, self.prompt_parts)
+            out = cpu_ops.block_matmul_bf16(x, self.prompt_parts)
         elif self.prompt_weight is not None:
             out = _onednn_linear(x.to(torch.bfloat16), self.prompt_weight, None, "none", [], "").to(x.dtype)
         else:
@@ -234,9 +229,9 @@ class Projection(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def run_prompts_in_bf16(self, weight: Callable[[], torch.Tensor]) -> None:
-        """Prompt rows on the blocks (AMX tiles), else on the [out, in] weights `weight()` gives, rounded to bf16."""
+        """Prompt rows on the blocks (block_matmul_bf16), else on the [out, in] weights `weight()` gives, rounded to bf16."""
         parts = self.plain_block_parts()
-        if parts is not None and cpu_ops.has_amx_tiles() and all(rows % 16 == 0 for _, _, rows in parts):
+        if parts is not None and cpu_ops.has_bf16_ops() and all(rows % 16 == 0 for _, _, rows in parts):
             self.prompt_parts = parts
         else:
             self.prompt_weight = torch.ops.mkldnn._reorder_linear_weight(weight().to(torch.bfloat16), 1)

@@ -57,9 +57,10 @@ SIGNATURES = {
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
     "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p,
                                 _i64],
-    "paged_prefill_attention_amx": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32,
-                                    _p, _i64],
-    "block_matmul_amx": [_p, _i64, _i64, _i64, _p, _i64, _p, _i64],
+    "paged_prefill_attention_bf16": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32,
+                                     _p, _i64, _i64],
+    "block_matmul_bf16": [_p, _i64, _i64, _i64, _p, _i64, _p, _i64, _i64],
+    "amx_tiles_available": [],
     "rms_norm": [_p, _p, _p, _i64, _i64, _f32, _p, _p],
     "rotary_embedding": [_p, _i64, _i64, _p, _i64, _i64, _i64, _i64, _p, _p],
     "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _i64],
@@ -69,7 +70,7 @@ SIGNATURES = {
                      _p, _p, _i64, _i64],
 }
 
-RESULTS = {"paged_prefill_attention_amx": _i64, "block_matmul_amx": _i64}  # the rest return nothing
+RESULTS = {"paged_prefill_attention_bf16": _i64, "block_matmul_bf16": _i64, "amx_tiles_available": _i64}  # the rest return nothing
 
 
 def _cpu_flags() -> str:
@@ -308,7 +309,7 @@ def q6_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 # blocks.h's enum: what a projection's blocks are
 BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6}
-AMX_TOKENS = 32  # block_matmul_amx.c's tokens a step
+BF16_TOKENS = 32  # block_matmul_bf16.c's tokens a step (AMX_TOKENS)
 BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK), "q8_0": (Q8_BYTES, QUANT_BLOCK),
                "q5_0": (Q5_BYTES, QUANT_BLOCK), "q4_k": (Q4_K_BYTES, SUPER_BLOCK), "q5_k": (Q5_K_BYTES, SUPER_BLOCK),
                "q6_k": (Q6_K_BYTES, SUPER_BLOCK)}
@@ -316,15 +317,22 @@ BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK
 
 
 def has_amx_tiles() -> bool:
-    """Whether this library, CPU and OS run the ops on AMX tiles."""
-    return _library is not None and _library.block_matmul_amx(None, 0, 0, 0, None, 0, None, 0) == 0
+    """Whether this library, CPU and OS run the bf16 ops on AMX tiles."""
+    return _library is not None and bool(_library.amx_tiles_available())
 
 
-def block_matmul_amx(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]]) -> torch.Tensor:
+def has_bf16_ops() -> bool:
+    """Whether this library has the bf16 ops (block_matmul_bf16, prefill_attention_bf16): built for a CPU with
+    AVX512-BF16, which every CPU with AMX has."""
+    return _library is not None and _library.block_matmul_bf16(None, 0, 0, 0, None, 0, None, 0, 0) == 0
+
+
+def block_matmul_bf16(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]], tiles: bool = True
+                      ) -> torch.Tensor:
     """x [tokens, in] float32 (rounded to bf16 in the op) @ a projection's weights [out, in].T → [tokens, out]
-    float32, on AMX tiles (block_matmul_amx.c), the weights read from their blocks: parts are (BLOCK_KINDS name,
-    blocks as the fp32-activation ops take them, output rows, a multiple of 16) in output order. Only where
-    has_amx_tiles()."""
+    float32, the weights read from their blocks (block_matmul_bf16.c): on AMX tiles where has_amx_tiles() and
+    `tiles`, else as AVX512-BF16 dot products. parts are (BLOCK_KINDS name, blocks as the fp32-activation ops take
+    them, output rows, a multiple of 16) in output order. Only where has_bf16_ops()."""
     _checked(x, "x", torch.float32, (None, None))
     tokens, inputs = x.shape
     for kind, blocks, rows in parts:
@@ -336,12 +344,12 @@ def block_matmul_amx(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]]
             raise ValueError("weights: not contiguous (pack them once, at load)")
     x = x.contiguous()
     width = sum(rows for _, _, rows in parts)
-    out = torch.empty(tokens + -tokens % AMX_TOKENS, width, dtype=torch.float32)  # rows past `tokens` left out
+    out = torch.empty(tokens + -tokens % BF16_TOKENS, width, dtype=torch.float32)  # rows past `tokens` left out
     column = 0
     for kind, blocks, rows in parts:
-        if _library.block_matmul_amx(x.data_ptr(), tokens, inputs, BLOCK_KINDS[kind], blocks.data_ptr(), rows,
-                                     out.data_ptr() + 4 * column, width):
-            raise RuntimeError("block_matmul_amx: no AMX tiles here (ask has_amx_tiles() first)")
+        if _library.block_matmul_bf16(x.data_ptr(), tokens, inputs, BLOCK_KINDS[kind], blocks.data_ptr(), rows,
+                                      out.data_ptr() + 4 * column, width, int(tiles)):
+            raise RuntimeError("block_matmul_bf16: no AVX512-BF16 in this build (ask has_bf16_ops() first)")
         column += rows
     return out[:tokens]
 
@@ -486,18 +494,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def prefill_attention_amx(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
-                          query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                          scale: float) -> torch.Tensor | None:
-    """prefill_attention for prompts computed in bfloat16, on AMX tiles (attention_amx.c): Q, K, V and the
-    probabilities rounded to bf16, sums in float32. None where this library, CPU or OS has no AMX tiles, the head
-    size is not 64 or the tensors are not the C ops' kind."""
+def prefill_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: torch.Tensor,
+                           query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                           scale: float, tiles: bool = True) -> torch.Tensor | None:
+    """prefill_attention for prompts computed in bfloat16 (attention_bf16.c): Q, K, V and the probabilities rounded
+    to bf16, sums in float32, on AMX tiles where has_amx_tiles() and `tiles`, else as AVX512-BF16 dot products. None
+    where this library has no bf16 ops, the head size is not 64 or the tensors are not the C ops' kind."""
     arguments = _prefill_arguments(q, k_cache, v_cache, query_starts, query_lens, context_lens, block_tables, scale)
     if arguments is None or _library is None:
         return None
     pointers, _kept, half = arguments
     out = torch.empty(q.shape, dtype=torch.float32)
-    return None if _library.paged_prefill_attention_amx(*pointers, out.data_ptr(), half) else out
+    return None if _library.paged_prefill_attention_bf16(*pointers, out.data_ptr(), half, int(tiles)) else out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

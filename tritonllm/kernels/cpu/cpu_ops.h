@@ -8,9 +8,9 @@
  * cache is float32 or float16 (`half`).
  *
  * One file a concept: quant_matmul.c (projections over quantized blocks, fp32 or int8 activations), blocks.h (the
- * blocks' layouts and dequantization), block_matmul_amx.c (bf16 prompts' projections over blocks on AMX tiles),
- * attention.c (paged attention), attention_amx.c (bf16 prompts' prefill attention on AMX tiles; amx.h the tiles'
- * setup), elementwise.c (norms, rotary, KV store, SiLU), sampler.c (the draw), llama_decode.c (those ops over a
+ * blocks' layouts and dequantization), block_matmul_bf16.c (bf16 prompts' projections over blocks on AMX tiles or
+ * AVX512-BF16 dot products), attention.c (paged attention), attention_bf16.c (bf16 prompts' prefill attention, the
+ * same two ways; bf16.h what they share), elementwise.c (norms, rotary, KV store, SiLU), sampler.c (the draw), llama_decode.c (those ops over a
  * whole decode step). This header declares what Python calls (kernels/cpu/__init__.py's SIGNATURES) and what one
  * file calls of another. */
 
@@ -37,13 +37,14 @@ void paged_prefill_attention(const float *q, int64_t q_stride, int64_t chunks, c
                              const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
                              const int64_t *block_tables, int64_t table_stride, float scale, float *out,
                              int64_t half);
-int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
-                                    const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
-                                    const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
-                                    const int64_t *block_tables, int64_t table_stride, float scale, float *out,
-                                    int64_t half);
-int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
-                         float *y, int64_t y_stride);
+int64_t paged_prefill_attention_bf16(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
+                                     const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
+                                     const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
+                                     const int64_t *block_tables, int64_t table_stride, float scale, float *out,
+                                     int64_t half, int64_t tiles);
+int64_t block_matmul_bf16(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
+                          float *y, int64_t y_stride, int64_t tiles);
+int64_t amx_tiles_available(void);
 
 void rms_norm(const float *x, const float *residual, const float *weight, int64_t rows, int64_t width, float eps,
               float *out, float *summed);

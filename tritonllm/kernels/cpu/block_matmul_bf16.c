@@ -1,8 +1,8 @@
 #include "cpu_ops.h"
-#include "amx.h"
+#include "bf16.h"
 #include "blocks.h"
 
-/* ---- prompt rows' projections over a GGUF's blocks on AMX bf16 tiles (prompts computed in bfloat16) ----
+/* ---- prompt rows' projections over a GGUF's blocks on the CPU's bf16 matrix units (prompts computed in bfloat16) ----
  * y[T][N] (rows y_stride floats apart) = x[T][K] . W[N][K]^T, x rounded to bf16 (denormals to 0), each weight
  * dequantized from its block (the file's number, exactly) and rounded to bf16, products summed in fp32: what a bf16
  * matmul over a bf16 copy of the weights computes, without the copy (2 bytes a weight). N a multiple of 16; y has
@@ -10,10 +10,13 @@
  * The tokens are first rounded into a buffer of left operands' rows (the op's own, kept between calls). A task is 32
  * output rows: their weights are dequantized into right operands (per block of 32 inputs, 16 rows as 16 pairs of
  * inputs: 1 KiB, the task's K * 64 bytes staying in L2) once per AMX_CHUNK tokens, then every 32 of those tokens
- * accumulate 2 x 2 output tiles over K in block order. A row's result depends on its own inputs and the weights
- * alone: batch-invariant. */
+ * accumulate 2 x 2 output tiles over K in block order. Without AMX tiles (or where `tiles` says not to use them),
+ * AVX512-BF16 dot products (vdpbf16ps: Zen 4/5) compute the same: DOT_TOKENS tokens x 32 output rows of sums in
+ * registers, each adding a token's pair of inputs (broadcast) times the operand's row of 16 output rows' pairs.
+ * A row's result depends on its own inputs and the weights alone: batch-invariant. Returns 1 where the build has no
+ * AVX512-BF16. */
 
-#ifdef AMX_BUILD
+#ifdef BF16_BUILD
 
 #define AMX_TOKENS 32       /* a step's tokens: two left operands of 16 rows */
 #define TASK_ROWS 32        /* a task's output rows: two right operands of 16 columns */
@@ -84,7 +87,8 @@ static _Thread_local Scratch left_scratch, operand_scratch; /* the caller's toke
 
 /* Tokens t0 .. t1 - 1 (whole AMX_TOKENS) of the left operands times a task's right operands (its last 16 rows only
  * unless `wide`), into y's rows t0 .. and the task's columns. */
-static void multiply_task(const uint16_t *left, int64_t blocks, const uint16_t *operands, int wide, int64_t t0,
+#ifdef AMX_BUILD
+static void multiply_task_on_tiles(const uint16_t *left, int64_t blocks, const uint16_t *operands, int wide, int64_t t0,
                           int64_t t1, float *y, int64_t y_stride) {
     const int64_t stride = blocks * QUANT_BLOCK + ROW_PAD;
     for (; t0 < t1; t0 += AMX_TOKENS) {
@@ -115,10 +119,53 @@ static void multiply_task(const uint16_t *left, int64_t blocks, const uint16_t *
         }
     }
 }
+#endif
 
-int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
-                         float *y, int64_t y_stride) {
-    if (!amx_permitted()) return 1;
+#define DOT_TOKENS 8 /* tokens x 2 x 16 output rows: 16 vectors of sums */
+
+static inline __attribute__((always_inline)) void dot_tokens(const uint16_t *tokens, int64_t stride, int64_t blocks,
+                                                             const uint16_t *operands, const int groups, float *out,
+                                                             int64_t y_stride) {
+    __m512 sums[DOT_TOKENS][2];
+    for (int t = 0; t < DOT_TOKENS; t++) sums[t][0] = sums[t][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *right = operands + b * 2 * OPERAND_WORDS;
+        for (int p = 0; p < 16; p++) {
+            const __m512bh first = (__m512bh)_mm512_load_si512(right + 32 * p);
+            const __m512bh second = groups == 2 ? (__m512bh)_mm512_load_si512(right + OPERAND_WORDS + 32 * p) : first;
+            for (int t = 0; t < DOT_TOKENS; t++) {
+                const uint16_t *inputs = tokens + t * stride + b * QUANT_BLOCK + 2 * p;
+                const __m512bh pair = (__m512bh)_mm512_set1_epi32(bf16_pair(inputs));
+                sums[t][0] = _mm512_dpbf16_ps(sums[t][0], pair, first);
+                if (groups == 2) sums[t][1] = _mm512_dpbf16_ps(sums[t][1], pair, second);
+            }
+        }
+    }
+    for (int t = 0; t < DOT_TOKENS; t++) {
+        _mm512_storeu_ps(out + t * y_stride, sums[t][0]);
+        if (groups == 2) _mm512_storeu_ps(out + t * y_stride + 16, sums[t][1]);
+    }
+}
+
+/* multiply_task_on_tiles's products as dot products */
+static void multiply_task_by_dot_products(const uint16_t *left, int64_t blocks, const uint16_t *operands, int wide,
+                                          int64_t t0, int64_t t1, float *y, int64_t y_stride) {
+    const int64_t stride = blocks * QUANT_BLOCK + ROW_PAD;
+    for (; t0 < t1; t0 += DOT_TOKENS) {
+        if (wide)
+            dot_tokens(left + t0 * stride, stride, blocks, operands, 2, y + t0 * y_stride, y_stride);
+        else
+            dot_tokens(left + t0 * stride, stride, blocks, operands, 1, y + t0 * y_stride, y_stride);
+    }
+}
+
+int64_t block_matmul_bf16(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
+                          float *y, int64_t y_stride, int64_t tiles) {
+#ifdef AMX_BUILD
+    tiles = tiles && amx_permitted();
+#else
+    tiles = 0;
+#endif
     if (T == 0) return 0;
     const int64_t blocks = K / QUANT_BLOCK, tasks = (N + TASK_ROWS - 1) / TASK_ROWS;
     int64_t row_bytes;
@@ -142,7 +189,9 @@ int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, con
                     _mm512_storeu_si512(left + t * (K + ROW_PAD) + b * QUANT_BLOCK, row);
                 }
         uint16_t *operands = scratch(&operand_scratch, (size_t)blocks * TASK_ROWS / 16 * OPERAND_WORDS * 2);
-        configure_tiles(); /* tmm0-1 the tokens, tmm2-3 the weights, tmm4-7 the outputs */
+#ifdef AMX_BUILD
+        if (tiles) configure_tiles(); /* tmm0-1 the tokens, tmm2-3 the weights, tmm4-7 the outputs */
+#endif
         for (int64_t chunk = 0; chunk < padded; chunk += AMX_CHUNK) {
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < tasks; task++) {
@@ -151,20 +200,36 @@ int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, con
                 for (int half = 0; half <= wide; half++)
                     operands_of(weights + (n0 + 16 * half) * row_bytes, row_bytes, blocks,
                                 operands + half * OPERAND_WORDS, 2 * OPERAND_WORDS);
-                multiply_task(left, blocks, operands, wide, chunk,
-                              padded - chunk < AMX_CHUNK ? padded : chunk + AMX_CHUNK, y + n0, y_stride);
+                const int64_t end = padded - chunk < AMX_CHUNK ? padded : chunk + AMX_CHUNK;
+#ifdef AMX_BUILD
+                if (tiles) {
+                    multiply_task_on_tiles(left, blocks, operands, wide, chunk, end, y + n0, y_stride);
+                    continue;
+                }
+#endif
+                multiply_task_by_dot_products(left, blocks, operands, wide, chunk, end, y + n0, y_stride);
             }
         }
-        _tile_release();
+#ifdef AMX_BUILD
+        if (tiles) _tile_release();
+#endif
     }
     return 0;
 }
 
 #else
 
-int64_t block_matmul_amx(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
-                         float *y, int64_t y_stride) {
+int64_t block_matmul_bf16(const float *x, int64_t T, int64_t K, int64_t kind, const uint8_t *weights, int64_t N,
+                          float *y, int64_t y_stride, int64_t tiles) {
     return 1;
 }
 
 #endif
+
+int64_t amx_tiles_available(void) {
+#ifdef AMX_BUILD
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}

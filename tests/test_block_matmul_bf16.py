@@ -1,7 +1,8 @@
-"""Prompt rows' projections on AMX tiles straight from a GGUF's blocks (kernels/cpu/block_matmul_amx.c): every kind of
-block the fp32-activation kernels read, against gguf's dequantization rounded to bf16, to the bit where the sum is
-one product; a row alike in any batch; a fused projection's parts side by side; bad inputs refused. On a CPU (or OS)
-without AMX tiles the op is absent, and what the engine does instead is tested in tests/test_prefill_dtype.py."""
+"""Prompt rows' projections in bf16 straight from a GGUF's blocks (kernels/cpu/block_matmul_bf16.c), on AMX tiles and
+as AVX512-BF16 dot products: every kind of block the fp32-activation kernels read, against gguf's dequantization
+rounded to bf16, to the bit where the sum is one product; a row alike in any batch; a fused projection's parts side
+by side; bad inputs refused. On a CPU without AVX512-BF16 the op is absent, and what the engine does instead is
+tested in tests/test_prefill_dtype.py; on one without AMX tiles their runs are skipped."""
 
 from __future__ import annotations
 
@@ -19,10 +20,21 @@ GGUF_KINDS = {"q8_0": Type.Q8_0, "q5_0": Type.Q5_0, "q4_k": Type.Q4_K, "q5_k": T
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _amx():
+def _bf16_ops():
     assert cpu.load(cpu_ops_dir())  # the test machines have a C compiler
-    if not cpu.has_amx_tiles():
-        pytest.skip("no AMX tiles on this CPU (or OS): prompts take oneDNN's bf16 path over a copy")
+    if not cpu.has_bf16_ops():
+        pytest.skip("no AVX512-BF16 on this CPU: prompts take oneDNN's bf16 path over a copy")
+
+
+@pytest.fixture(params=[True, False], ids=["amx", "avx512-bf16"])
+def tiles(request) -> bool:
+    if request.param and not cpu.has_amx_tiles():
+        pytest.skip("no AMX tiles on this CPU (or OS): the op runs as dot products")
+    return request.param
+
+
+def block_matmul(tiles: bool):
+    return lambda x, parts: cpu.block_matmul_bf16(x, parts, tiles)
 
 
 def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,45 +58,49 @@ KINDS = ["int4", "int5", *GGUF_KINDS]
 @pytest.mark.parametrize("kind", KINDS)
 # 48 rows: a last task of 16; 600 tokens: more than one chunk of 512
 @pytest.mark.parametrize("rows, tokens", [(16, 1), (48, 37), (96, 70), (32, 600)])
-def test_each_kind_is_its_weights_rounded_to_bf16_summed_in_float32(kind, rows, tokens):
+def test_each_kind_is_its_weights_rounded_to_bf16_summed_in_float32(kind, rows, tokens, tiles):
+    block_matmul_bf16 = block_matmul(tiles)
     width = 512
     blocks, dense = _blocks(kind, rows, width)
     x = torch.randn(tokens, width)
-    out = cpu.block_matmul_amx(x, [(kind, blocks, rows)])
+    out = block_matmul_bf16(x, [(kind, blocks, rows)])
     expected = x.bfloat16().double() @ dense.bfloat16().double().T
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     # each weight read back (a one-hot row sums one product): the file's number rounded to bf16, to the bit
-    assert torch.equal(cpu.block_matmul_amx(torch.eye(width), [(kind, blocks, rows)]).T, dense.bfloat16().float())
+    assert torch.equal(block_matmul_bf16(torch.eye(width), [(kind, blocks, rows)]).T, dense.bfloat16().float())
 
 
 @pytest.mark.parametrize("kind", ["int4", "q4_k", "q6_k"])
-def test_a_row_does_not_depend_on_the_batch(kind):
+def test_a_row_does_not_depend_on_the_batch(kind, tiles):
+    block_matmul_bf16 = block_matmul(tiles)
     blocks, _ = _blocks(kind, 80, 768)
     x = torch.randn(75, 768)
-    together = cpu.block_matmul_amx(x, [(kind, blocks, 80)])
+    together = block_matmul_bf16(x, [(kind, blocks, 80)])
     for size in (1, 5, 33):
         for start in range(0, len(x) - size + 1, 13):
-            assert torch.equal(cpu.block_matmul_amx(x[start:start + size], [(kind, blocks, 80)]),
+            assert torch.equal(block_matmul_bf16(x[start:start + size], [(kind, blocks, 80)]),
                                together[start:start + size])
 
 
-def test_a_fused_projections_parts_run_side_by_side():
+def test_a_fused_projections_parts_run_side_by_side(tiles):
     """A Q4_K_M qkv: q and k Q4_K, v Q6_K, each part's outputs in its columns."""
+    block_matmul_bf16 = block_matmul(tiles)
     parts = [("q4_k", *_blocks("q4_k", 64, 512, 1)), ("q4_k", *_blocks("q4_k", 32, 512, 2)),
              ("q6_k", *_blocks("q6_k", 32, 512, 3))]
     x = torch.randn(20, 512)
-    fused = cpu.block_matmul_amx(x, [(kind, blocks, len(dense)) for kind, blocks, dense in parts])
-    alone = [cpu.block_matmul_amx(x, [(kind, blocks, len(dense))]) for kind, blocks, dense in parts]
+    fused = block_matmul_bf16(x, [(kind, blocks, len(dense)) for kind, blocks, dense in parts])
+    alone = [block_matmul_bf16(x, [(kind, blocks, len(dense))]) for kind, blocks, dense in parts]
     assert torch.equal(fused, torch.cat(alone, dim=1))
 
 
 def test_blocks_of_the_wrong_shape_or_kind_are_refused():
+    block_matmul_bf16 = cpu.block_matmul_bf16
     blocks, _ = _blocks("q4_k", 32, 512)
     x = torch.randn(4, 512)
     with pytest.raises(ValueError, match="weights"):  # Q4_K's bytes read as Q6_K's
-        cpu.block_matmul_amx(x, [("q6_k", blocks, 32)])
+        block_matmul_bf16(x, [("q6_k", blocks, 32)])
     with pytest.raises(ValueError, match="not multiples"):
-        cpu.block_matmul_amx(torch.randn(4, 500), [("q4_k", blocks, 32)])
+        block_matmul_bf16(torch.randn(4, 500), [("q4_k", blocks, 32)])
     q4, _ = _blocks("int4", 24, 512)
     with pytest.raises(ValueError, match="not multiples"):  # rows in whole tiles of 16
-        cpu.block_matmul_amx(x, [("int4", q4, 24)])
+        block_matmul_bf16(x, [("int4", q4, 24)])

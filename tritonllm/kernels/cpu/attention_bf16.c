@@ -1,9 +1,11 @@
 #include "cpu_ops.h"
-#include "amx.h"
+#include "bf16.h"
 
-/* ---- causal prefill attention on AMX bf16 tiles (prompts computed in bfloat16) ----
+/* ---- causal prefill attention on the CPU's bf16 matrix units (prompts computed in bfloat16) ----
  * Same inputs and meaning as paged_prefill_attention (attention.c), for head size 64; returns 0, or 1 where this
- * build or this OS gives no AMX tiles (the caller then runs another op).
+ * build has no AVX512-BF16 (the caller then runs another op). Its two matrix products run on AMX tiles where the OS
+ * gives them and `tiles` allows, else as AVX512-BF16 dot products (vdpbf16ps: Zen 4/5, Intel without AMX), one
+ * vector a row of the same tile; both sum the same products in fp32, in a different order.
  *
  * Each call first copies its chunks' contexts out of the paged cache into bf16: K as rows [key][64], V transposed
  * [64][key], both zero past the context up to a whole number of key blocks. A task is 16 consecutive query
@@ -16,7 +18,7 @@
  * query's result is computed alike whatever tile, chunk or step it runs in: a block a query does not see (past its
  * position) leaves its m, l and O exactly as they were (2^0 is exactly 1 and its P is 0). */
 
-#ifdef AMX_BUILD
+#ifdef BF16_BUILD
 
 #define AMX_HEAD 64    /* head size: four 16-column output tiles */
 #define AMX_QUERIES 16 /* query positions per task: a tile's columns */
@@ -84,10 +86,109 @@ static void pack_queries(const float *q, int64_t q_stride, int64_t count, float 
             }
 }
 
+/* The two matrix products of a key block, AMX's way: S^T for its 64 keys into scores[key][query]; O^T += V^T P^T in
+ * tiles 4-7 (the output's 16-dim quarters) */
+#ifdef AMX_BUILD
+static inline void scores_on_tiles(const uint16_t *keys, const uint16_t queries[2][16][AMX_QUERIES * 2],
+                                   float scores[AMX_KEYS][AMX_QUERIES]) {
+    for (int h = 0; h < 2; h++) { /* keys 32 h .. + 31 */
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int half_ = 0; half_ < 2; half_++) {
+            _tile_loadd(1, queries[half_], 64);
+            _tile_loadd(0, keys + ((4 * h + half_) * 16) * 32, 64);
+            _tile_dpbf16ps(2, 0, 1);
+            _tile_loadd(0, keys + ((4 * h + 2 + half_) * 16) * 32, 64);
+            _tile_dpbf16ps(3, 0, 1);
+        }
+        _tile_stored(2, scores[32 * h], 64);
+        _tile_stored(3, scores[32 * h + 16], 64);
+    }
+}
+
+static inline void accumulate_on_tiles(const uint16_t *values, const uint16_t probabilities[2][16][AMX_QUERIES * 2]) {
+    for (int h = 0; h < 2; h++) { /* keys 32 h .. + 31 */
+        const uint16_t *dims = values + h * AMX_HEAD * 32;
+        _tile_loadd(1, probabilities[h], 64);
+        _tile_loadd(0, dims, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(0, dims + 16 * 32, 64);
+        _tile_dpbf16ps(5, 0, 1);
+        _tile_loadd(0, dims + 32 * 32, 64);
+        _tile_dpbf16ps(6, 0, 1);
+        _tile_loadd(0, dims + 48 * 32, 64);
+        _tile_dpbf16ps(7, 0, 1);
+    }
+}
+
+static inline void output_from_tiles(float output[AMX_HEAD][AMX_QUERIES]) {
+    _tile_stored(4, output[0], 64);
+    _tile_stored(5, output[16], 64);
+    _tile_stored(6, output[32], 64);
+    _tile_stored(7, output[48], 64);
+}
+
+static inline void output_to_tiles(float output[AMX_HEAD][AMX_QUERIES]) {
+    _tile_loadd(4, output[0], 64);
+    _tile_loadd(5, output[16], 64);
+    _tile_loadd(6, output[32], 64);
+    _tile_loadd(7, output[48], 64);
+}
+#else
+static inline void scores_on_tiles(const uint16_t *keys, const uint16_t queries[2][16][AMX_QUERIES * 2],
+                                   float scores[AMX_KEYS][AMX_QUERIES]) {}
+static inline void accumulate_on_tiles(const uint16_t *values,
+                                       const uint16_t probabilities[2][16][AMX_QUERIES * 2]) {}
+static inline void output_from_tiles(float output[AMX_HEAD][AMX_QUERIES]) {}
+static inline void output_to_tiles(float output[AMX_HEAD][AMX_QUERIES]) {}
+#endif
+
+/* The same products as dot products: a vector is a row of a tile (16 queries), each of its lanes summing its query's
+ * pairs of products with one pair of the key's (the value's) broadcast. */
+#define DOT_KEYS 16 /* keys (output dims) whose sums stay in registers over the pairs */
+
+static inline void scores_by_dot_products(const uint16_t *keys, const uint16_t queries[2][16][AMX_QUERIES * 2],
+                                          float scores[AMX_KEYS][AMX_QUERIES]) {
+    for (int k0 = 0; k0 < AMX_KEYS; k0 += DOT_KEYS) {
+        __m512 sums[DOT_KEYS];
+        for (int k = 0; k < DOT_KEYS; k++) sums[k] = _mm512_setzero_ps();
+        for (int half_ = 0; half_ < 2; half_++) {
+            const uint16_t *rows = keys + ((k0 / 16 * 2 + half_) * 16) * 32; /* the 16 keys' dims 32 half_ .. */
+            for (int p = 0; p < 16; p++) {
+                const __m512bh pairs = (__m512bh)_mm512_load_si512(queries[half_][p]);
+                for (int k = 0; k < DOT_KEYS; k++)
+                    sums[k] = _mm512_dpbf16_ps(sums[k], (__m512bh)_mm512_set1_epi32(bf16_pair(rows + k * 32 + 2 * p)),
+                                               pairs);
+            }
+        }
+        for (int k = 0; k < DOT_KEYS; k++) _mm512_store_ps(scores[k0 + k], sums[k]);
+    }
+}
+
+static inline void accumulate_by_dot_products(const uint16_t *values,
+                                              const uint16_t probabilities[2][16][AMX_QUERIES * 2],
+                                              float output[AMX_HEAD][AMX_QUERIES]) {
+    for (int d0 = 0; d0 < AMX_HEAD; d0 += DOT_KEYS) {
+        __m512 sums[DOT_KEYS];
+        for (int d = 0; d < DOT_KEYS; d++) sums[d] = _mm512_load_ps(output[d0 + d]);
+        for (int h = 0; h < 2; h++) {
+            const uint16_t *dims = values + (h * AMX_HEAD + d0) * 32; /* keys 32 h .. + 31 of each dim */
+            for (int p = 0; p < 16; p++) {
+                const __m512bh pairs = (__m512bh)_mm512_load_si512(probabilities[h][p]);
+                for (int d = 0; d < DOT_KEYS; d++)
+                    sums[d] = _mm512_dpbf16_ps(sums[d], (__m512bh)_mm512_set1_epi32(bf16_pair(dims + d * 32 + 2 * p)),
+                                               pairs);
+            }
+        }
+        for (int d = 0; d < DOT_KEYS; d++) _mm512_store_ps(output[d0 + d], sums[d]);
+    }
+}
+
 /* One task: queries at positions first .. first + count - 1 (rows q, q + q_stride, ...) of one head, over the
- * copied key blocks of its kv head; out rows out_stride floats apart. */
-static void attend_tile(const float *q, int64_t q_stride, int64_t count, int64_t first, const uint16_t *blocks,
-                        float scale, float *out, int64_t out_stride) {
+ * copied key blocks of its kv head; out rows out_stride floats apart. Inlined with `tiles` a constant. */
+static inline __attribute__((always_inline)) void attend_tile(const float *q, int64_t q_stride, int64_t count,
+                                                              int64_t first, const uint16_t *blocks, float scale,
+                                                              float *out, int64_t out_stride, const int tiles) {
     uint16_t queries[2][16][AMX_QUERIES * 2] __attribute__((aligned(64)));
     uint16_t probabilities[2][16][AMX_QUERIES * 2] __attribute__((aligned(64)));
     float scores[AMX_KEYS][AMX_QUERIES] __attribute__((aligned(64)));
@@ -100,26 +201,15 @@ static void attend_tile(const float *q, int64_t q_stride, int64_t count, int64_t
     const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
                                                 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     __m512 maximum = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
+    memset(output, 0, sizeof(output));
+    if (tiles) output_to_tiles(output);
     const int64_t last = first + count - 1;
     for (int64_t key0 = 0; key0 <= last; key0 += AMX_KEYS) {
         const uint16_t *keys = blocks + key0 * 2 * AMX_HEAD, *values = keys + AMX_KEYS * AMX_HEAD;
-        for (int h = 0; h < 2; h++) { /* S^T for keys key0 + 32 h .. + 31 */
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int half_ = 0; half_ < 2; half_++) {
-                _tile_loadd(1, queries[half_], 64);
-                _tile_loadd(0, keys + ((4 * h + half_) * 16) * 32, 64);
-                _tile_dpbf16ps(2, 0, 1);
-                _tile_loadd(0, keys + ((4 * h + 2 + half_) * 16) * 32, 64);
-                _tile_dpbf16ps(3, 0, 1);
-            }
-            _tile_stored(2, scores[32 * h], 64);
-            _tile_stored(3, scores[32 * h + 16], 64);
-        }
+        if (tiles)
+            scores_on_tiles(keys, queries, scores);
+        else
+            scores_by_dot_products(keys, queries, scores);
         const int masked = key0 + AMX_KEYS - 1 > first; /* some query here is before some key */
         __m512 block_maximum = _mm512_set1_ps(-INFINITY);
         for (int k = 0; k < AMX_KEYS; k++) {
@@ -151,46 +241,34 @@ static void attend_tile(const float *q, int64_t q_stride, int64_t count, int64_t
             _mm512_store_si512(probabilities[k / 32][(k % 32) / 2], pair);
         }
         if (_mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) {
-            _tile_stored(4, output[0], 64);
-            _tile_stored(5, output[16], 64);
-            _tile_stored(6, output[32], 64);
-            _tile_stored(7, output[48], 64);
+            if (tiles) output_from_tiles(output);
             for (int d = 0; d < AMX_HEAD; d++)
                 _mm512_store_ps(output[d], _mm512_mul_ps(_mm512_load_ps(output[d]), rescale));
-            _tile_loadd(4, output[0], 64);
-            _tile_loadd(5, output[16], 64);
-            _tile_loadd(6, output[32], 64);
-            _tile_loadd(7, output[48], 64);
+            if (tiles) output_to_tiles(output);
         }
-        for (int h = 0; h < 2; h++) { /* O^T += V^T P^T over keys key0 + 32 h .. + 31 */
-            const uint16_t *dims = values + h * AMX_HEAD * 32;
-            _tile_loadd(1, probabilities[h], 64);
-            _tile_loadd(0, dims, 64);
-            _tile_dpbf16ps(4, 0, 1);
-            _tile_loadd(0, dims + 16 * 32, 64);
-            _tile_dpbf16ps(5, 0, 1);
-            _tile_loadd(0, dims + 32 * 32, 64);
-            _tile_dpbf16ps(6, 0, 1);
-            _tile_loadd(0, dims + 48 * 32, 64);
-            _tile_dpbf16ps(7, 0, 1);
-        }
+        if (tiles)
+            accumulate_on_tiles(values, probabilities);
+        else
+            accumulate_by_dot_products(values, probabilities, output);
     }
-    _tile_stored(4, output[0], 64);
-    _tile_stored(5, output[16], 64);
-    _tile_stored(6, output[32], 64);
-    _tile_stored(7, output[48], 64);
+    if (tiles) output_from_tiles(output);
     float inverse[AMX_QUERIES] __attribute__((aligned(64)));
     _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
     for (int64_t j = 0; j < count; j++)
         for (int d = 0; d < AMX_HEAD; d++) out[j * out_stride + d] = output[d][j] * inverse[j];
 }
 
-int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
-                                    const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
-                                    const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
-                                    const int64_t *block_tables, int64_t table_stride, float scale, float *out,
-                                    int64_t half) {
-    if (D != AMX_HEAD || !amx_permitted()) return 1;
+int64_t paged_prefill_attention_bf16(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
+                                     const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
+                                     const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
+                                     const int64_t *block_tables, int64_t table_stride, float scale, float *out,
+                                     int64_t half, int64_t tiles) {
+    if (D != AMX_HEAD) return 1;
+#ifdef AMX_BUILD
+    tiles = tiles && amx_permitted();
+#else
+    tiles = 0;
+#endif
     const int64_t group = H / kv_heads;
     /* chunk c's copy: kv_heads x padded[c] / AMX_KEYS key blocks (copy_key_block), from copy_start[c] */
     int64_t *padded = malloc((size_t)(chunks * 8)), *copy_start = malloc((size_t)((chunks + 1) * 8));
@@ -214,23 +292,33 @@ int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t ch
             copy_key_block(k_cache, v_cache, block_tables + c * table_stride, block_size, kv_heads, g, key0,
                            context_lens[c], copy + copy_start[c] + (g * padded[c] + key0) * 2 * AMX_HEAD, (int)half);
         }
-        configure_tiles();
+#ifdef AMX_BUILD
+        if (tiles) configure_tiles();
+#endif
         const unsigned int float_control = _mm_getcsr();
         _mm_setcsr(float_control | 0x8040); /* denormals as 0 (flush-to-zero, denormals-are-zero): no slow assists */
         c = 0;
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < first_task[chunks]; task++) {
             while (task >= first_task[c + 1]) c++;
-            const int64_t tiles = (first_task[c + 1] - first_task[c]) / H, index = task - first_task[c];
-            const int64_t tile = tiles - 1 - index / H, head = index % H; /* a chunk's longest tiles first */
+            const int64_t query_tiles = (first_task[c + 1] - first_task[c]) / H, index = task - first_task[c];
+            const int64_t tile = query_tiles - 1 - index / H, head = index % H; /* a chunk's longest tiles first */
             const int64_t i0 = tile * AMX_QUERIES, row = query_starts[c] + i0;
             const int64_t count = query_lens[c] - i0 < AMX_QUERIES ? query_lens[c] - i0 : AMX_QUERIES;
-            attend_tile(q + row * q_stride + head * AMX_HEAD, q_stride, count, context_lens[c] - query_lens[c] + i0,
-                        copy + copy_start[c] + head / group * padded[c] * 2 * AMX_HEAD, scale,
-                        out + (row * H + head) * AMX_HEAD, H * AMX_HEAD);
+            const float *queries = q + row * q_stride + head * AMX_HEAD;
+            const uint16_t *blocks = copy + copy_start[c] + head / group * padded[c] * 2 * AMX_HEAD;
+            const int64_t first = context_lens[c] - query_lens[c] + i0;
+            if (tiles)
+                attend_tile(queries, q_stride, count, first, blocks, scale, out + (row * H + head) * AMX_HEAD,
+                            H * AMX_HEAD, 1);
+            else
+                attend_tile(queries, q_stride, count, first, blocks, scale, out + (row * H + head) * AMX_HEAD,
+                            H * AMX_HEAD, 0);
         }
         _mm_setcsr(float_control);
-        _tile_release();
+#ifdef AMX_BUILD
+        if (tiles) _tile_release();
+#endif
     }
     free(copy);
     free(first_block);
@@ -242,11 +330,11 @@ int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t ch
 
 #else
 
-int64_t paged_prefill_attention_amx(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
-                                    const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
-                                    const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
-                                    const int64_t *block_tables, int64_t table_stride, float scale, float *out,
-                                    int64_t half) {
+int64_t paged_prefill_attention_bf16(const float *q, int64_t q_stride, int64_t chunks, const int32_t *query_starts,
+                                     const int32_t *query_lens, const int32_t *context_lens, int64_t H, int64_t D,
+                                     const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
+                                     const int64_t *block_tables, int64_t table_stride, float scale, float *out,
+                                     int64_t half, int64_t tiles) {
     return 1;
 }
 
