@@ -58,14 +58,14 @@ MICROKERNEL(1, 1)
 #define ONE_TOKEN(NAME, ROWS) ONE_TOKEN_(NAME, ROWS)
 #define ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT, ROWS)                              \
     static inline void ONE_TOKEN(NAME, ROWS)(const uint8_t *rows, int64_t row_bytes, int64_t blocks,          \
-                                             const float *x, float *y) {                                       \
+                                             const float *x, float *y, const uint8_t *end) {                   \
         vf acc[ROWS];                                                                                           \
         for (int r = 0; r < ROWS; r++) acc[r] = (vf){0};                                                        \
         for (int64_t s = 0; s < blocks / (SUB); s++) {                                                          \
             float table[ROWS][SCALE_TABLE];                                                                     \
             for (int r = 0; r < ROWS; r++) {                                                                    \
                 const uint8_t *super = rows + r * row_bytes + s * (SUPER_BYTES);                                \
-                __builtin_prefetch(super + PREFETCH_AHEAD, 0, 3);                                               \
+                if (super + ONE_TOKEN_AHEAD < end) __builtin_prefetch(super + ONE_TOKEN_AHEAD, 0, 3);           \
                 SCALES(super, table[r]);                                                                        \
             }                                                                                                   \
             _Pragma("GCC unroll 8") for (int j = 0; j < (SUB); j += (UNIT)) {                                   \
@@ -93,11 +93,12 @@ MICROKERNEL(1, 1)
         if (T == 1) {                                                                                           \
             _Pragma("omp parallel for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {         \
                 const int64_t n0 = tile * ROW_TILE;                                                             \
+                const uint8_t *end = weights + N * row_bytes;                                                   \
                 if (N - n0 >= ROW_TILE) {                                                                       \
-                    ONE_TOKEN(NAME, ROW_TILE)(weights + n0 * row_bytes, row_bytes, blocks, x, y + n0);          \
+                    ONE_TOKEN(NAME, ROW_TILE)(weights + n0 * row_bytes, row_bytes, blocks, x, y + n0, end);     \
                 } else {                                                                                        \
                     for (int64_t n = n0; n < N; n++)                                                            \
-                        ONE_TOKEN(NAME, 1)(weights + n * row_bytes, row_bytes, blocks, x, y + n);               \
+                        ONE_TOKEN(NAME, 1)(weights + n * row_bytes, row_bytes, blocks, x, y + n, end);          \
                 }                                                                                               \
             }                                                                                                   \
             return;                                                                                             \
