@@ -71,9 +71,9 @@ class EngineConfig:
     prefill_dtype: str = setting("auto", "the CPU engine's prompt tokens: float32 (exact: the bits decoding them "
                                          "would give), bfloat16 (their projections and attention on the CPU's bf16 "
                                          "matrix units, AMX or AVX512-BF16: prompts several times faster, their "
-                                         "inputs rounded to bf16; on AMX tiles projections of a GGUF's blocks read "
-                                         "the blocks, others keep bf16 weights beside the format's, 2 bytes a "
-                                         "weight), or auto: bfloat16 on CPUs with AMX and float32 activations "
+                                         "inputs rounded to bf16; projections of a GGUF's blocks read the blocks, "
+                                         "others keep bf16 weights beside the format's, 2 bytes a weight), or "
+                                         "auto: bfloat16 on CPUs with AMX or AVX512-BF16 and float32 activations "
                                          "unless that needs a copy of a GGUF read as its blocks alone, else "
                                          "float32",
                                  choices=PREFILL_DTYPES)

@@ -222,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
                           prefill_dtype: torch.dtype = torch.float32) -> None:
         """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
         blocks: the GGUF's blocks of projection_weights(layer) and of the head, for int4 and int4-q8;
-        prefill_dtype bfloat16: prompt rows run on the blocks (AMX tiles), else on bf16 copies (2 bytes a weight)."""
+        prefill_dtype bfloat16: prompt rows run on the blocks (the CPU ops' bf16 op), else on bf16 copies (2 bytes a
+        weight)."""
         for index in range(len(self.layers)):
             owners = self._projections(index)
             for (owner, name), weight in zip(owners, blocks.layers[index] if blocks else [None] * len(owners)):
