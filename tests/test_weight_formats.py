@@ -117,6 +117,20 @@ def test_int4_computes_with_the_ggufs_own_q4_1_weights(default_model_dir):
         torch.testing.assert_close(int4(x), x @ dequantized.T, atol=1e-4, rtol=1e-4)
 
 
+def test_bf16_hardware_capped_by_onednn_counts_as_none(monkeypatch):
+    """bench/peers.py --isa avx2 caps oneDNN at AVX2 on a CPU with bf16: its bf16 matmuls are emulated there, so
+    nothing may take bf16 (prompts, formats) for speed."""
+    monkeypatch.setattr(linear, "_cpu_flags", lambda: "flags : fpu avx2 avx512f avx512_bf16")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert linear.cpu_has_bf16()
+    for cap, native in [("AVX2", False), ("AVX512_CORE", False), ("avx512_core_bf16", True), ("AVX512_CORE_AMX", True)]:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert linear.cpu_has_bf16() == native, cap
+    monkeypatch.setattr(linear, "_cpu_flags", lambda: "flags : fpu avx2")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert not linear.cpu_has_bf16()
+
+
 def test_auto_considers_only_exact_or_near_exact_formats(monkeypatch):
     def formats(bf16_hardware: bool, has_blocks: bool) -> set[str]:
         monkeypatch.setattr(linear, "cpu_has_bf16", lambda: bf16_hardware)

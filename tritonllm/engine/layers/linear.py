@@ -30,6 +30,7 @@ quantization, no batch-wide scales), so a request's output does not depend on wh
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,10 +59,18 @@ def _cpu_flags() -> str:
         return ""
 
 
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA) under which its bf16 matmuls run on bf16 hardware
+_ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+                     "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
+                     "AVX10_2_512_AMX_2")
+
+
 def cpu_has_bf16() -> bool:
-    """Whether the CPU computes in bf16 natively (otherwise bf16 matmuls are emulated, several times slower)."""
+    """Whether this process computes in bf16 natively: the CPU has it and oneDNN is not capped below it (as
+    bench/peers.py --isa avx2 caps it); otherwise bf16 matmuls are emulated, several times slower."""
     flags = _cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    uncapped = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in _ONEDNN_BF16_ISAS
+    return uncapped and ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
 def onednn_available() -> bool:
