@@ -144,43 +144,39 @@ static inline void output_to_tiles(float output[AMX_HEAD][AMX_QUERIES]) {}
 #endif
 
 /* The same products as dot products: a vector is a row of a tile (16 queries), each of its lanes summing its query's
- * pairs of products with one pair of the key's (the value's) broadcast. */
-#define DOT_KEYS 16 /* keys (output dims) whose sums stay in registers over the pairs */
+ * pairs of products with one pair of the left operand's row, broadcast. Rows i = 0 .. 15 of the left operands
+ * halves[0] and halves[1] (rows of 32 bf16: pairs 0 .. 15 of each half) times the right operands right[0], right[1]
+ * (per pair, 16 queries' pairs), over both halves' pairs, into out[i] (added to it where `add`). */
+static inline void rows_by_dot_products(const uint16_t *const halves[2], const uint16_t right[2][16][AMX_QUERIES * 2],
+                                        float out[16][AMX_QUERIES], const int add) {
+    __m512 sums[16];
+    for (int i = 0; i < 16; i++) sums[i] = add ? _mm512_load_ps(out[i]) : _mm512_setzero_ps();
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 16; p++) {
+            const __m512bh pairs = (__m512bh)_mm512_load_si512(right[h][p]);
+            for (int i = 0; i < 16; i++)
+                sums[i] = _mm512_dpbf16_ps(sums[i], (__m512bh)_mm512_set1_epi32(bf16_pair(halves[h] + i * 32 + 2 * p)),
+                                           pairs);
+        }
+    for (int i = 0; i < 16; i++) _mm512_store_ps(out[i], sums[i]);
+}
 
+/* S^T for the block's keys: each 16 keys' rows, the head's dims in two halves of 32 */
 static inline void scores_by_dot_products(const uint16_t *keys, const uint16_t queries[2][16][AMX_QUERIES * 2],
                                           float scores[AMX_KEYS][AMX_QUERIES]) {
-    for (int k0 = 0; k0 < AMX_KEYS; k0 += DOT_KEYS) {
-        __m512 sums[DOT_KEYS];
-        for (int k = 0; k < DOT_KEYS; k++) sums[k] = _mm512_setzero_ps();
-        for (int half_ = 0; half_ < 2; half_++) {
-            const uint16_t *rows = keys + ((k0 / 16 * 2 + half_) * 16) * 32; /* the 16 keys' dims 32 half_ .. */
-            for (int p = 0; p < 16; p++) {
-                const __m512bh pairs = (__m512bh)_mm512_load_si512(queries[half_][p]);
-                for (int k = 0; k < DOT_KEYS; k++)
-                    sums[k] = _mm512_dpbf16_ps(sums[k], (__m512bh)_mm512_set1_epi32(bf16_pair(rows + k * 32 + 2 * p)),
-                                               pairs);
-            }
-        }
-        for (int k = 0; k < DOT_KEYS; k++) _mm512_store_ps(scores[k0 + k], sums[k]);
+    for (int k0 = 0; k0 < AMX_KEYS; k0 += 16) {
+        const uint16_t *const halves[2] = {keys + (k0 / 16 * 2) * 16 * 32, keys + (k0 / 16 * 2 + 1) * 16 * 32};
+        rows_by_dot_products(halves, queries, &scores[k0], 0);
     }
 }
 
+/* O^T += V^T P^T: each 16 dims' rows, the block's keys in two halves of 32 */
 static inline void accumulate_by_dot_products(const uint16_t *values,
                                               const uint16_t probabilities[2][16][AMX_QUERIES * 2],
                                               float output[AMX_HEAD][AMX_QUERIES]) {
-    for (int d0 = 0; d0 < AMX_HEAD; d0 += DOT_KEYS) {
-        __m512 sums[DOT_KEYS];
-        for (int d = 0; d < DOT_KEYS; d++) sums[d] = _mm512_load_ps(output[d0 + d]);
-        for (int h = 0; h < 2; h++) {
-            const uint16_t *dims = values + (h * AMX_HEAD + d0) * 32; /* keys 32 h .. + 31 of each dim */
-            for (int p = 0; p < 16; p++) {
-                const __m512bh pairs = (__m512bh)_mm512_load_si512(probabilities[h][p]);
-                for (int d = 0; d < DOT_KEYS; d++)
-                    sums[d] = _mm512_dpbf16_ps(sums[d], (__m512bh)_mm512_set1_epi32(bf16_pair(dims + d * 32 + 2 * p)),
-                                               pairs);
-            }
-        }
-        for (int d = 0; d < DOT_KEYS; d++) _mm512_store_ps(output[d0 + d], sums[d]);
+    for (int d0 = 0; d0 < AMX_HEAD; d0 += 16) {
+        const uint16_t *const halves[2] = {values + d0 * 32, values + (AMX_HEAD + d0) * 32};
+        rows_by_dot_products(halves, probabilities, &output[d0], 1);
     }
 }
 

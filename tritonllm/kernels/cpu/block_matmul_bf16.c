@@ -88,8 +88,8 @@ static _Thread_local Scratch left_scratch, operand_scratch; /* the caller's toke
 /* Tokens t0 .. t1 - 1 (whole AMX_TOKENS) of the left operands times a task's right operands (its last 16 rows only
  * unless `wide`), into y's rows t0 .. and the task's columns. */
 #ifdef AMX_BUILD
-static void multiply_task_on_tiles(const uint16_t *left, int64_t blocks, const uint16_t *operands, int wide, int64_t t0,
-                          int64_t t1, float *y, int64_t y_stride) {
+static void multiply_task_on_tiles(const uint16_t *left, int64_t blocks, const uint16_t *operands, int wide,
+                                   int64_t t0, int64_t t1, float *y, int64_t y_stride) {
     const int64_t stride = blocks * QUANT_BLOCK + ROW_PAD;
     for (; t0 < t1; t0 += AMX_TOKENS) {
         const uint16_t *tokens = left + t0 * stride;
