@@ -2,7 +2,7 @@
 CPU ops (tritonllm/kernels/cpu, or kernels/cpu before the namespace) and of this checkout's swapped between runs, alternating (the host's drift between separate
 processes can exceed the change), at each streams level; prints each run and the medians.
 
-    .venv/bin/python bench/cpu_ops_ab.py --before b5d3932 [--streams 1,32] [--rounds 4] [--tokens 128]
+    .venv/bin/python bench/cpu_ops_ab.py --before b5d3932 [--model FILE.gguf] [--streams 1,32] [--rounds 4] [--tokens 128]
     TRITONLLM_CPU_MARCH=x86-64-v3 .venv/bin/python bench/cpu_ops_ab.py --before ...   # both built for AVX2
 
 Everything but the ops (model, scheduler, sampler's torch parts) is this checkout's, so a revision whose ops take
@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from tritonllm.engine.config import EngineConfig  # noqa: E402
 from tritonllm.engine.llm_engine import LLMEngine  # noqa: E402
-from tritonllm.model_files import prepare_default_model  # noqa: E402
+from tritonllm.model_files import prepare_default_model, resolve_model_path  # noqa: E402
 from tritonllm.kernels import cpu  # noqa: E402
 from throughput import engine_run  # noqa: E402
 
@@ -51,11 +51,13 @@ def built_ops(revision: str | None, directory: Path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", required=True, help="the git revision whose CPU ops are 'before'")
+    parser.add_argument("--model", type=Path, help="a GGUF or HF checkpoint (default: the shipped model)")
     parser.add_argument("--streams", default="1,32")
     parser.add_argument("--rounds", type=int, default=4, help="runs of each build per streams level")
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model_path=str(prepare_default_model()), weight_format="int4",
+    model = resolve_model_path(args.model) if args.model else prepare_default_model()
+    engine = LLMEngine(EngineConfig(model_path=str(model), weight_format="int4",
                                     max_num_seqs=max(int(s) for s in args.streams.split(","))))
     with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
         builds = {f"before ({args.before})": built_ops(args.before, Path(before_dir)),

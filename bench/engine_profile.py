@@ -1,7 +1,8 @@
 """Where an engine step's time goes, in-process (no Triton): decode steps of a batch of greedy sequences under
 torch.profiler, grouped by operator, plus ms per step.
 
-    .venv/bin/python bench/engine_profile.py [--batch 1,32] [--context 200] [--steps 32] [--weight-format auto]
+    .venv/bin/python bench/engine_profile.py [--model FILE.gguf] [--batch 1,32] [--context 200] [--steps 32]
+        [--weight-format auto]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from tritonllm.engine.config import EngineConfig  # noqa: E402
 from tritonllm.interface.parameters import SamplingParams  # noqa: E402
 from tritonllm.engine.llm_engine import LLMEngine, Request  # noqa: E402
-from tritonllm.model_files import prepare_default_model  # noqa: E402
+from tritonllm.model_files import prepare_default_model, resolve_model_path  # noqa: E402
 
 
 def decoding_engine(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
@@ -36,13 +37,15 @@ def decoding_engine(engine: LLMEngine, batch: int, context: int, steps: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="a GGUF or HF checkpoint (default: the shipped model)")
     parser.add_argument("--batch", default="1,32")
     parser.add_argument("--context", type=int, default=200, help="prompt tokens of each sequence")
     parser.add_argument("--steps", type=int, default=32, help="decode steps profiled")
     parser.add_argument("--weight-format", default="auto")
     parser.add_argument("--rows", type=int, default=15, help="operators listed")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model_path=str(prepare_default_model()), kv_cache_memory=512 << 20,
+    model = resolve_model_path(args.model) if args.model else prepare_default_model()
+    engine = LLMEngine(EngineConfig(model_path=str(model), kv_cache_memory=512 << 20,
                                     max_num_seqs=64, weight_format=args.weight_format))
     print(f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"weights {engine.core.runner.weight_format}")
@@ -58,6 +61,7 @@ def main() -> None:
         print(f"\nbatch {batch}, context ~{args.context}: {elapsed / args.steps * 1e3:.1f} ms/step, "
               f"{batch * args.steps / elapsed:.1f} tok/s")
         total = sum(event.self_cpu_time_total for event in prof.key_averages())
+        print(f"  torch operators {total / args.steps / 1e3:.1f} ms/step (the CPU ops' C calls are not among them)")
         for event in sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:args.rows]:
             print(f"  {event.key:<40} {event.self_cpu_time_total / total * 100:5.1f} %  "
                   f"{event.count / args.steps:6.1f} calls/step")

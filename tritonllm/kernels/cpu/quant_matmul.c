@@ -65,7 +65,10 @@ MICROKERNEL(1, 1)
             float table[ROWS][SCALE_TABLE];                                                                     \
             for (int r = 0; r < ROWS; r++) {                                                                    \
                 const uint8_t *super = rows + r * row_bytes + s * (SUPER_BYTES);                                \
-                if (super + ONE_TOKEN_AHEAD < end) __builtin_prefetch(super + ONE_TOKEN_AHEAD, 0, 3);           \
+                /* ahead in this row, or past its end in the row this one's place takes in the next tile */     \
+                const int64_t ahead = s * (SUPER_BYTES) + ONE_TOKEN_AHEAD;                                      \
+                prefetch_lines(rows + r * row_bytes + ahead + (ahead < row_bytes ? 0 : ((ROWS) - 1) * row_bytes), \
+                               SUPER_BYTES, end);                                                               \
                 SCALES(super, table[r]);                                                                        \
             }                                                                                                   \
             _Pragma("GCC unroll 8") for (int j = 0; j < (SUB); j += (UNIT)) {                                   \
@@ -116,7 +119,7 @@ MICROKERNEL(1, 1)
                         const uint8_t *row = weights + (n0 + r) * row_bytes;                                    \
                         for (int64_t s = 0; s < blocks / (SUB); s++) {                                          \
                             const uint8_t *super = row + s * (SUPER_BYTES);                                     \
-                            __builtin_prefetch(super + PREFETCH_AHEAD, 0, 3);                                   \
+                            prefetch_lines(super + PREFETCH_AHEAD, SUPER_BYTES, weights + N * row_bytes);      \
                             float table[SCALE_TABLE];                                                           \
                             SCALES(super, table);                                                               \
                             for (int j = 0; j < (SUB); j += (UNIT)) {                                           \
@@ -302,6 +305,7 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x, int32_t x_sum
 #define ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, VECTORS, TOKENS)                                   \
     static inline void ROWS_TILE(NAME, VECTORS, TOKENS)(const uint8_t *weights, int64_t blocks, Q8Activations x, \
                                                         int64_t K, int64_t v0, int64_t t0, float *y, int64_t N) { \
+        const uint8_t *weights_end = weights + (N + GROUP_ROWS - 1) / GROUP_ROWS * blocks * (GROUP_BYTES);      \
         sums_t acc[VECTORS][TOKENS];                                                                            \
         for (int v = 0; v < VECTORS; v++)                                                                       \
             for (int t = 0; t < TOKENS; t++) acc[v][t] = RV(setzero_ps)();                                      \
@@ -309,7 +313,7 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x, int32_t x_sum
             for (int v = 0; v < VECTORS; v++) {                                                                 \
                 const int64_t vector = v0 + v, half = vector % GROUP_VECTORS;                                   \
                 const uint8_t *block = weights + ((vector / GROUP_VECTORS) * blocks + b) * (GROUP_BYTES);       \
-                __builtin_prefetch(block + PREFETCH_AHEAD, 0, 3);                                               \
+                if (half == 0) prefetch_lines(block + PREFETCH_AHEAD, GROUP_BYTES, weights_end);                \
                 rows_t w[8];                                                                                    \
                 FORMAT##_rows(block + half * VECTOR_ROWS * 4, w);                                               \
                 const uint8_t *scales = block + (GROUP_BYTES) - (HAS_MIN ? 64 : 32) + half * VECTOR_ROWS * 2;   \
