@@ -7,6 +7,7 @@ each prefill dtype runs, alternating.
     .venv/bin/python bench/prefill.py [--lengths 512,2048,8000] [--rounds 2] [--before main]
     .venv/bin/python bench/prefill.py --prefill-dtypes float32,bfloat16 [--model FILE.gguf]
     .venv/bin/python bench/prefill.py --lengths 0 --streams 8 --arrival 8000   # ITL while an 8k prompt prefills
+    .venv/bin/python bench/prefill.py --lengths 0 --streams 8 --max-decode-slowdowns 0,2   # unpaced, then paced
     OMP_NUM_THREADS=1 .venv/bin/python bench/prefill.py --op --before main --torch   # the attention op alone
 
 --op times the prefill attention op alone over a prompt's chunks (max_num_batched_tokens each, the default model's
@@ -138,6 +139,8 @@ def main() -> None:
     parser.add_argument("--arrival", type=int, default=8000, help="prompt tokens arriving while they decode")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed before the arrival")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--max-decode-slowdowns", default=str(EngineConfig.max_decode_slowdown),
+                        help="an engine of each, alternating (e.g. 0,2: the token budget alone, then paced)")
     parser.add_argument("--weight-format", default="auto")
     parser.add_argument("--model", type=Path, help="a GGUF file or model directory (default: the default model)")
     parser.add_argument("--prefill-dtypes", default="float32", help="an engine of each, alternating (e.g. "
@@ -148,21 +151,24 @@ def main() -> None:
     if args.op:
         return op_main(args)
     model = resolve_model_path(args.model) if args.model else prepare_default_model()
-    engines = {dtype: LLMEngine(EngineConfig(model_path=str(model),
-                                             weight_format=args.weight_format, prefill_dtype=dtype,
-                                             max_num_batched_tokens=args.max_num_batched_tokens))
-               for dtype in args.prefill_dtypes.split(",")}
+    dtypes, slowdowns = args.prefill_dtypes.split(","), [float(s) for s in args.max_decode_slowdowns.split(",")]
+    engines = {", ".join([f"{dtype} prompts"] * (len(dtypes) > 1) + [f"slowdown {slowdown:g}"] * (len(slowdowns) > 1)):
+               LLMEngine(EngineConfig(model_path=str(model), weight_format=args.weight_format, prefill_dtype=dtype,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      max_decode_slowdown=slowdown))
+               for dtype in dtypes for slowdown in slowdowns}
     clock = AttentionClock()
     print(f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, weights "
           f"{next(iter(engines.values())).core.runner.weight_format}, ops -march={cpu.MARCH}, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}", flush=True)
+          f"max_num_batched_tokens {args.max_num_batched_tokens}, max_decode_slowdown {args.max_decode_slowdowns}",
+          flush=True)
     with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
         builds = {"this checkout": cpu._library}
         if args.before:
             builds = {f"before ({args.before})": built_ops(args.before, Path(before_dir)),
                       "after (this checkout)": built_ops(None, Path(after_dir))}
-        runs_of = {(f"{name}, {dtype} prompts" if len(engines) > 1 else name): (library, engine)
-                   for name, library in builds.items() for dtype, engine in engines.items()}
+        runs_of = {(f"{name}, {label}" if len(engines) > 1 else name): (library, engine)
+                   for name, library in builds.items() for label, engine in engines.items()}
         for engine in engines.values():
             ttft(engine, 64, clock)  # warm-up
         for tokens in (int(n) for n in args.lengths.split(",") if int(n)):

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.core.core_loop import CoreLoop
+from tritonllm.engine.core.step_pacer import StepPacer
 from tritonllm.interface.errors import InvalidRequest
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.engine.llm_engine import LLMEngine, Request
@@ -43,6 +44,38 @@ def test_greedy_matches_transformers_generate(engine, default_model_dir):
     assert result.token_ids() == expected
     assert result.text().startswith(" Paris")
     assert result.finish_reason() == ("stop" if expected[-1] in engine.core.eos_token_ids else "length")
+    assert_idle(engine)
+
+
+def test_paced_prompt_chunks_shrink_beside_decodes_and_change_no_output(engine, monkeypatch):
+    """With the pacer on (max_decode_slowdown, step_pacer.py) and its measurements given, a long prompt arriving
+    while a request decodes is prefilled in chunks within the pacer's budget, not the step's 48 tokens; every
+    output is still each request's alone (float32 prompts: chunking changes no bit)."""
+    pacer = StepPacer(2.0)
+    pacer.decode_seconds, pacer.seconds_per_unit = 0.020, 0.020 / 20  # 20 units of prompt work a step
+    monkeypatch.setattr(pacer, "observe", lambda *args: None)  # kept as given, whatever the steps take
+    monkeypatch.setattr(engine.core, "pacer", pacer)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    short, long = "The quick brown fox", "Item 9: " + "a list of colors, " * 30
+    decoding = Request("paced-short", short, params)  # (first: the prompts are not yet cached)
+    engine.add_request(decoding)
+    outputs = {"paced-short": [], "paced-long": []}
+    while not engine.core.scheduler.running or engine.core.scheduler.running[0].num_output_tokens == 0:
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    engine.add_request(Request("paced-long", long, params))
+    chunks = []
+    while engine.has_unfinished_requests():
+        seq = next((s for s in engine.core.scheduler.running if s.request.request_id == "paced-long"), None)
+        computed = seq.num_computed_tokens if seq else 0
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+        seq = next((s for s in engine.core.scheduler.running if s.request.request_id == "paced-long"), seq)
+        if seq.num_output_tokens == 0:
+            chunks.append(seq.num_computed_tokens - computed)
+    assert len(chunks) > 2 and max(chunks) <= 20  # (47 a step unpaced)
+    together = [[t for o in outputs[name] for c in o.choices for t in c.token_ids] for name in outputs]
+    assert together == [generate(engine, [prompt], params)[0].token_ids() for prompt in (short, long)]
     assert_idle(engine)
 
 

@@ -70,6 +70,37 @@ def test_while_others_decode_a_prompt_chunk_is_charged_for_its_context_too():
     assert all(later <= earlier for earlier, later in zip(chunks, chunks[1:-1]))
 
 
+def test_while_others_decode_prompt_chunks_take_at_most_the_prompt_budget_together():
+    """The pacer's bound (step_pacer.py): beside a decode, two prompts' chunks share `prompt_budget` (attention
+    weighing them too), the decode keeps its token; with nothing decoding the bound does not apply."""
+    sched = scheduler(num_blocks=128, max_num_batched_tokens=32, attention_equivalent=16)
+    decode = make_sequence(distinct_prompt(2, start=100))
+    sched.add(decode)
+    step(sched)
+    first, second = make_sequence(distinct_prompt(40, start=300)), make_sequence(distinct_prompt(40, start=400))
+    sched.add(first)
+    sched.add(second)
+    charged = []
+    while second.num_output_tokens == 0:
+        scheduled = sched.schedule(prompt_budget=6)
+        decodes, work = sched.step_work(scheduled)
+        assert planned(scheduled)[0] == (decode, 1) and decodes == 1 + (first.num_output_tokens > 0)
+        charged.append(work)
+        for item in scheduled:  # (step() without its schedule())
+            samples = item.samples
+            item.seq.num_computed_tokens += item.num_new_tokens
+            if samples:
+                item.seq.token_ids.append(SAMPLED_TOKEN)
+    # (a chunk is never under one token: the second prompt's one token may overrun, by at most 1 + 39 / 16)
+    assert max(charged) <= 6 + 4 and sorted(charged)[len(charged) // 2] <= 6 and len(charged) > 80 // 6
+    assert first.num_output_tokens > second.num_output_tokens  # first come, first served within the bound
+
+    alone = scheduler(num_blocks=128, max_num_batched_tokens=32, attention_equivalent=16)
+    long = make_sequence(distinct_prompt(40, start=500))
+    alone.add(long)
+    assert planned(alone.schedule(prompt_budget=6)) == [(long, 32)]
+
+
 def test_a_waiting_prompt_never_takes_the_running_decodes_budget():
     sched = scheduler(max_num_batched_tokens=4)
     running = [make_sequence(distinct_prompt(1, start=100 + 10 * i)) for i in range(3)]

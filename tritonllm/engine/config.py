@@ -51,6 +51,14 @@ def at_least_one(name: str) -> Callable[[str], int]:
     return parse
 
 
+def slowdown(text: str) -> float:
+    """max_decode_slowdown's parser: 0 (off) or at least 1."""
+    value = float(text)
+    if value != 0 and not value >= 1:
+        raise ValueError(f"max_decode_slowdown must be 0 (off) or at least 1, not {text}")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str = setting("", "HF model directory, .gguf file, or Hugging Face hub id ORG/NAME[@REVISION] "
@@ -97,6 +105,11 @@ class EngineConfig:
     block_size: int = setting(16, "tokens per KV cache block")
     max_num_seqs: int = setting(64, "sequences in the running batch")
     max_num_batched_tokens: int = setting(512, "token budget of one engine step (prefill chunks + decodes)")
+    max_decode_slowdown: float = setting(
+        0.0, "while sequences decode, size a step's prompt chunks (from measured step times) so the step takes "
+             "about this many times a step of the decodes alone: their inter-token latency while a long prompt "
+             "prefills, traded for its time to first token (0: off, the token budget alone sizes the chunks)",
+        parse=slowdown)
     scheduling_policy: str = setting("fcfs", "fcfs: first come, first served; priority: by each request's priority "
                                              "(lower first, then arrival), preempting lower-priority running "
                                              "sequences for a waiting one (vLLM's)", choices=SCHEDULING_POLICIES)

@@ -25,6 +25,7 @@ from tritonllm.engine.core.prefix_keys import files_digest, model_key
 from tritonllm.engine.core.sampler import Sampler, score, stop_tokens
 from tritonllm.engine.core.scheduler import ScheduledSequence, Scheduler
 from tritonllm.engine.core.sequence import CoreOutput, CoreRequest, SampledToken, Sequence, SequenceUpdate
+from tritonllm.engine.core.step_pacer import StepPacer
 from tritonllm.engine.core.structured_output import advance
 from tritonllm.interface.errors import InvalidRequest
 from tritonllm.interface.tensors import FinishReason
@@ -99,6 +100,7 @@ class EngineCore:
             StorageTier(storage, config.kv_storage_size, model, blocks) if storage else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.runner.lora_slots, config.scheduling_policy, arch.attention_equivalent)
+        self.pacer = StepPacer(config.max_decode_slowdown)
         self.sampler = Sampler(eos_token_ids, arch.vocab_size)
         # private to the thread that runs the core: other threads send messages (apply) and read stats()
         self._requests: dict[str, CoreRequest] = {}
@@ -199,9 +201,11 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         outputs, self._ready_outputs = self._ready_outputs, []
         self._admit_compiled(outputs)
-        scheduled = self.scheduler.schedule()
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule(self.pacer.prompt_budget())
         if not scheduled:
             return outputs
+        work = self.scheduler.step_work(scheduled)
         self._last_batch = describe_batch(scheduled)
         now = time.monotonic()
         for item in scheduled:
@@ -256,6 +260,7 @@ class EngineCore:
             if request_id not in failed:
                 self._emit(self._requests[request_id], seqs, outputs)
         outputs.extend(self.fail_request(request_id, exc) for request_id, exc in failed.items())
+        self.pacer.observe(time.perf_counter() - started, *work)
         return outputs
 
     def _step_beams(self, logits: torch.Tensor, beams: list[Sequence], failed: dict[str, Exception]) -> None:

@@ -5,7 +5,9 @@ takes the next chunk), then waiting sequences are admitted FCFS while budget, se
 last. A long prompt is therefore split into chunks and never stalls running decodes for more than one chunk.
 While sequences decode, a prompt chunk is also charged for its attention to the context before it (in tokens of
 projection work, `attention_equivalent`: the context that costs one token's projections), so a chunk deep into a
-long prompt is smaller and a step with decodes in it takes about as long as one with a short prompt's chunk.
+long prompt is smaller and a step with decodes in it takes about as long as one with a short prompt's chunk; and
+a step's prompt chunks together take at most `prompt_budget` of that work (step_pacer.py: what keeps the step
+within a bound on the decodes' inter-token latency).
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept, and the prefix cache usually makes the recompute cheap).
 A sequence whose prefix match reaches the storage tier leaves the queue while the blocks are read (holding no
@@ -94,18 +96,21 @@ class Scheduler:
         running = {id(seq.request) for seq in self.running}
         return len({id(seq.request) for seq in (*self.waiting, *self.loading)} - running)
 
-    def schedule(self) -> list[ScheduledSequence]:
+    def schedule(self, prompt_budget: int | None = None) -> list[ScheduledSequence]:
+        """This step's sequences and tokens; while sequences decode, the prompt chunks among them take at most
+        `prompt_budget` (None: the token budget alone)."""
         self._requeue_loaded()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted = False
-        decoding = self.attention_equivalent is not None and any(
-            seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+        decoding = self.attention_equivalent is not None and any(_decodes(seq) for seq in self.running)
+        prompt_room = min(budget, prompt_budget) if decoding and prompt_budget is not None else budget
 
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new, cost = self._chunk(seq, budget, decoding)
+            prompt = not _decodes(seq)
+            num_new, cost = self._chunk(seq, min(budget, prompt_room) if prompt else budget, decoding)
             if num_new == 0:  # a beam whose continuations wait for its siblings' (beam_search.py)
                 index += 1
                 continue
@@ -118,16 +123,18 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= cost
+                prompt_room -= cost if prompt else 0
                 index += 1
 
         # Admitting new work right after a preemption would just thrash.
-        while self.waiting and budget > 0 and not preempted:
+        while self.waiting and min(budget, prompt_room) > 0 and not preempted:
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs:
                 given_back = self._preempt_worse_priority(seq, scheduled)
                 if given_back is None:
                     break
-                budget += given_back
+                budget += given_back[0]
+                prompt_room += given_back[1]
                 continue
             if not self._hold_lora_slot(seq):
                 break
@@ -140,29 +147,43 @@ class Scheduler:
                     self.loading[seq] = match
                     continue
                 self._matched(seq, match)
-            num_new, cost = self._chunk(seq, budget, decoding)
+            num_new, cost = self._chunk(seq, min(budget, prompt_room), decoding)
             if not self.block_manager.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 self.block_manager.free(seq)  # don't pin cached blocks (or an adapter slot) while waiting
                 self._release_lora_slot(seq)
                 given_back = self._preempt_worse_priority(seq, scheduled)
                 if given_back is None:
                     break
-                budget += given_back
+                budget += given_back[0]
+                prompt_room += given_back[1]
                 continue  # again, with the victim's blocks free
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self._enqueue(self.running, seq, front=False)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= cost
+            prompt_room -= cost
         return scheduled
+
+    def step_work(self, scheduled: list[ScheduledSequence]) -> tuple[int, int]:
+        """(decoding sequences, units of prompt work: tokens weighted as _chunk weighs them) of a step just
+        scheduled (before its tokens count as computed)."""
+        decodes = sum(1 for item in scheduled if _decodes(item.seq))
+        work = sum(math.ceil(item.num_new_tokens * self._weight(item.seq)) for item in scheduled
+                   if not _decodes(item.seq))
+        return decodes, work
+
+    def _weight(self, seq: Sequence) -> float:
+        """A prompt token's work in tokens of projections: 1 + its attention to the context before it."""
+        return 1 + seq.num_computed_tokens / (self.attention_equivalent or math.inf)
 
     def _chunk(self, seq: Sequence, budget: int, decoding: bool) -> tuple[int, int]:
         """(tokens of `seq` to compute this step, the budget they take): while others decode, a prompt chunk's
-        tokens weigh 1 + context / attention_equivalent each."""
+        tokens weigh _weight each."""
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if not decoding or num_new <= 1:
             return num_new, num_new
-        weight = 1 + seq.num_computed_tokens / self.attention_equivalent
+        weight = self._weight(seq)
         num_new = max(1, min(num_new, int(budget / weight)))
         return num_new, min(budget, math.ceil(num_new * weight))
 
@@ -193,19 +214,21 @@ class Scheduler:
         if seq.num_output_tokens == 0:
             seq.cached_tokens = cached
 
-    def _preempt_worse_priority(self, seq: Sequence, scheduled: list[ScheduledSequence]) -> int | None:
+    def _preempt_worse_priority(self, seq: Sequence, scheduled: list[ScheduledSequence]) -> tuple[int, int] | None:
         """Under priority, preempt the worst-ranked running sequence for `seq` if its priority is strictly worse;
-        returns the tokens of this step's budget it held (None: no such sequence, `seq` waits)."""
+        returns the tokens of this step's budget it held, and of the prompt room (None: no such sequence, `seq`
+        waits)."""
         if not self.by_priority or not self.running or \
                 self.running[-1].params.priority <= seq.params.priority:
             return None
         victim = self.running.pop()
+        prompt = not _decodes(victim)
         self._preempt(victim, f"for a request of priority {seq.params.priority}")
         for index, item in enumerate(scheduled):
             if item.seq is victim:  # scheduled earlier in this step: its tokens go back to the budget
                 del scheduled[index]
-                return item.num_new_tokens
-        return 0
+                return item.num_new_tokens, item.num_new_tokens if prompt else 0
+        return 0, 0
 
     def _preempt(self, seq: Sequence, why: str) -> None:
         log.info("preempting a sequence of request %s (%d tokens) %s", seq.request.request_id, seq.num_tokens, why)
@@ -241,6 +264,11 @@ class Scheduler:
         if seq.lora_slot >= 0:
             self.lora_slots.release(seq.lora_slot)
             seq.lora_slot = -1
+
+
+def _decodes(seq: Sequence) -> bool:
+    """Whether the sequence's next step computes its one newest token (it decodes) rather than prompt tokens."""
+    return seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_output_tokens > 0
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:

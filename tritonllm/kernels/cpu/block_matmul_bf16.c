@@ -6,7 +6,7 @@
  * y[T][N] (rows y_stride floats apart) = x[T][K] . W[N][K]^T, x rounded to bf16 (denormals to 0), each weight
  * dequantized from its block (the file's number, exactly) and rounded to bf16, products summed in fp32: what a bf16
  * matmul over a bf16 copy of the weights computes, without the copy (2 bytes a weight). N a multiple of 16; y has
- * rows up to a whole number of AMX_TOKENS (those past T are written, then left out by the caller).
+ * rows up to a whole number of AMX_TOKENS (rows past T are scratch, left out by the caller).
  * The tokens are first rounded into a buffer of left operands' rows (the op's own, kept between calls). A task is 32
  * output rows: their weights are dequantized into right operands (per block of 32 inputs, 16 rows as 16 pairs of
  * inputs: 1 KiB, the task's K * 64 bytes staying in L2) once per AMX_CHUNK tokens, then every 32 of those tokens
@@ -207,7 +207,10 @@ int64_t block_matmul_bf16(const float *x, int64_t T, int64_t K, int64_t kind, co
                     continue;
                 }
 #endif
-                multiply_task_by_dot_products(left, blocks, operands, wide, chunk, end, y + n0, y_stride);
+                /* dot products need no whole left operands: the tokens up to T's next DOT_TOKENS */
+                const int64_t dot_end = (T + DOT_TOKENS - 1) / DOT_TOKENS * DOT_TOKENS;
+                multiply_task_by_dot_products(left, blocks, operands, wide, chunk, end < dot_end ? end : dot_end,
+                                              y + n0, y_stride);
             }
         }
 #ifdef AMX_BUILD
