@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tritonllm import engine_supervisor
 from tritonllm.adapter.engine_health import EngineHealth
 from tritonllm.engine_supervisor import EngineSupervisor, RestartBudget, RestartSettings, exit_status
 
@@ -50,6 +51,8 @@ class _FakeServer:
         self.loads = 0
         self.starts = 0
         self.aborts_on_load = False
+        self.hangs_on_load = False
+        self.unhung = threading.Event()
         self.process = subprocess.Popen(["sleep", "60"])  # tritonserver
         self.children.append(self.process)
 
@@ -66,6 +69,14 @@ class _FakeServer:
     def is_running(self):
         return self.process.poll() is None
 
+    def is_live(self):
+        return self.is_running() and not self.hangs_on_load
+
+    def kill(self):  # tritonserver, hung
+        self.process.kill()
+        self.process.wait()
+        self.unhung.set()
+
     def start(self):  # tritonserver again, with new engines
         self.starts += 1
         self.process = subprocess.Popen(["sleep", "60"])
@@ -80,6 +91,10 @@ class _FakeServer:
 
     def model_control(self, action):
         assert action == "load"
+        if self.hangs_on_load:  # aborted, then hung in its exit: the call's connection stays open
+            self.unhung.wait(60)
+            self.hangs_on_load = False
+            raise RuntimeError("Remote end closed connection without response")
         if self.aborts_on_load:  # its Python backend aborted on the dead engine's lock, as the reload began
             self.aborts_on_load = False
             self.process.kill()
@@ -87,7 +102,7 @@ class _FakeServer:
         self.loads += 1
         self.processes.update({self._spawn(): "llm_0_0", self._spawn(): "llm_0_1"})
 
-    def kill(self, instance):
+    def kill_engine(self, instance):
         [pid] = [pid for pid, name in self.engine_processes().items() if name == instance]
         os.kill(pid, signal.SIGKILL)
         return pid
@@ -125,7 +140,7 @@ def _supervised() -> Iterator[tuple[_FakeServer, list, list, threading.Event]]:
 def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
     with _supervised() as (server, deaths, recoveries, gave_up):
         survivor = next(pid for pid, name in server.engine_processes().items() if name == "llm_0_0")
-        server.kill("llm_0_1")
+        server.kill_engine("llm_0_1")
         _wait(lambda: recoveries)
         # the dead one, then the old generation's survivor, stopped: the adapter fails its silent calls too
         assert [instance for instance, _ in deaths] == ["llm_0_1", "llm_0_0"] and server.loads == 1
@@ -133,7 +148,7 @@ def test_a_dead_engine_is_reported_and_reloaded_until_the_budget_is_spent():
         # the old generation's survivor was stopped (Triton no longer uses it); the new generation runs
         assert survivor not in server.engine_processes()
         assert sorted(server.engine_processes().values()) == ["llm_0_0", "llm_0_1"]
-        server.kill("llm_0_0")
+        server.kill_engine("llm_0_0")
         _wait(gave_up.is_set)
         assert [instance for instance, _ in deaths] == ["llm_0_1", "llm_0_0", "llm_0_0"] and server.loads == 1
 
@@ -146,7 +161,7 @@ def test_a_dead_tritonserver_is_started_again_within_the_same_budget():
         _wait(lambda: recoveries)
         assert deaths == [("tritonserver", "tritonserver exited with code -9")] and server.starts == 1
         assert not gave_up.is_set()
-        server.kill("llm_0_1")  # one of the new engines: the budget is spent
+        server.kill_engine("llm_0_1")  # one of the new engines: the budget is spent
         _wait(gave_up.is_set)
         assert server.loads == 0 and server.starts == 1
 
@@ -156,12 +171,24 @@ def test_tritonserver_ending_during_an_engines_reload_is_started_again_as_one_de
     fails: serve starts tritonserver again, counting the one event once against the budget."""
     with _supervised() as (server, deaths, recoveries, gave_up):
         server.aborts_on_load = True
-        server.kill("llm_0_1")
+        server.kill_engine("llm_0_1")
         _wait(lambda: recoveries)
         assert [instance for instance, _ in deaths] == ["llm_0_1", "tritonserver"] and server.starts == 1
         assert not gave_up.is_set() and sorted(server.engine_processes().values()) == ["llm_0_0", "llm_0_1"]
-        server.kill("llm_0_0")  # the budget (one restart) is spent
+        server.kill_engine("llm_0_0")  # the budget (one restart) is spent
         _wait(gave_up.is_set)
+
+
+def test_tritonserver_hanging_during_an_engines_reload_is_killed_and_started_again(monkeypatch):
+    """tritonserver aborts while it reloads and hangs in its exit, the reload's call unanswered: once it answers no
+    liveness probe for _SERVER_HUNG_S, serve kills it and starts it again, one death against the budget."""
+    monkeypatch.setattr(engine_supervisor, "_SERVER_HUNG_S", 1.0)
+    with _supervised() as (server, deaths, recoveries, gave_up):
+        server.hangs_on_load = True
+        server.kill_engine("llm_0_1")
+        _wait(lambda: recoveries, timeout=10)
+        assert [instance for instance, _ in deaths] == ["llm_0_1", "tritonserver"] and server.starts == 1
+        assert not gave_up.is_set() and sorted(server.engine_processes().values()) == ["llm_0_0", "llm_0_1"]
 
 
 def test_a_request_sent_before_the_reload_does_not_mark_the_new_instances_dead():

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 _POLL_INTERVAL_S = 0.2
 _SERVER = "tritonserver"  # what /health names when tritonserver itself died
 _SERVER_EXIT_S = 5.0  # a reload that failed: how long tritonserver may take to finish aborting
+_SERVER_HUNG_S = 10.0  # a reload during which tritonserver answers no liveness probe this long: it hangs
 _SURVIVORS_SILENT_S = 4.0  # the adapter fails calls silent for 2 s while an engine is dead (TritonClient._SILENT_S)
 
 
@@ -148,6 +149,31 @@ class EngineSupervisor:
         self.on_recovered()
         return True
 
+    def _load(self, failure: list[RuntimeError]) -> None:
+        """The reload's call (on its own thread: its answer may never come)."""
+        try:
+            self.server.model_control("load")
+        except RuntimeError as error:
+            failure.append(error)
+
+    def _watch(self, loader: threading.Thread) -> bool:
+        """Wait for the reload's call; False when tritonserver ends first, or answers no liveness probe for
+        _SERVER_HUNG_S (it is then killed): aborting on the dead engine's lock, it can hang in its exit while a stub
+        it started holds the call's connection open, so the call never returns."""
+        answered = time.monotonic()
+        while loader.is_alive() and not self._stop.is_set():
+            loader.join(_POLL_INTERVAL_S)
+            if not self.server.is_running():
+                return False
+            if self.server.is_live():
+                answered = time.monotonic()
+            elif time.monotonic() - answered > _SERVER_HUNG_S:
+                log.error("tritonserver answered no liveness probe for %.0f s while reloading the model: killing it",
+                          _SERVER_HUNG_S)
+                self.server.kill()
+                return False
+        return True
+
     def _server_ended(self) -> bool:
         """Whether tritonserver has ended, or ends within _SERVER_EXIT_S (an abort takes a moment to finish)."""
         try:
@@ -160,14 +186,17 @@ class EngineSupervisor:
         """Reload the model; False (after giving up) when that fails."""
         started = time.monotonic()
         log.warning("reloading model %s (engine instance(s) %s died)", MODEL_NAME, ", ".join(sorted(ended.values())))
-        try:
-            self.server.model_control("load")
-        except RuntimeError as error:
-            if self._stop.is_set():
-                return False
+        failure: list[RuntimeError] = []
+        loader = threading.Thread(target=self._load, args=(failure,), name="tritonllm-reload", daemon=True)
+        loader.start()
+        if not self._watch(loader):
+            return self._restart_server(counted=True)
+        if self._stop.is_set():
+            return False
+        if failure:
             if self._server_ended():  # it aborted on the dead engine's lock, after the engine's death was seen
                 return self._restart_server(counted=True)
-            self.on_give_up(f"reloading the model failed: {error}")
+            self.on_give_up(f"reloading the model failed: {failure[0]}")
             return False
         log.warning("model reloaded in %.1f s", time.monotonic() - started)
         # Triton now sends every request to the new instances, but never finishes unloading the old version (the

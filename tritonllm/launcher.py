@@ -320,6 +320,16 @@ class TritonServer:
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def is_live(self) -> bool:
+        """Whether tritonserver answers its liveness probe (within 2 s)."""
+        return answers_ok(self.http_url + "/v2/health/live")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group at once (a hung tritonserver, its stubs with it)."""
+        if self.is_running():
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
     def wait_ready(self, timeout: float) -> None:
         """Block until the server and the model answer ready; raise TritonStartError with the log tail if the
         process exits or the timeout passes."""
