@@ -41,7 +41,7 @@ static inline float block_scale(const uint8_t *block) {
 }
 
 #define BLOCK_VECTORS (QUANT_BLOCK / VLEN)
-#define SCALE_TABLE 16 /* floats: a super-block's scales decoded once per row and super-block (K-quants) */
+#define SCALE_TABLE 32 /* floats: a super-block's scales decoded once per row and super-block (K-quants) */
 
 /* The formats of one block per "super-block" keep their scales in each block. */
 static inline void no_scales(const uint8_t *block, float *table) { (void)block, (void)table; }
@@ -150,6 +150,27 @@ static inline void dequantize_q5_1(const uint8_t *block, int j, const float *tab
 #endif
 }
 
+#if VLEN == 16
+/* Byte `at` of each of `into`'s 16 lanes replaced by bytes 16g .. 16g + 15 of `bytes` (codes made 64 at a time in
+ * bytes, then spread to lanes: one shuffle per 16 where VBMI has vpermb) */
+static inline __m512i lane_bytes(__m512i bytes, int g, __m512i into, int at) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask64 byte_at = 0x1111111111111111ull << at;
+#if defined(__AVX512VBMI__)
+    const __m512i from = _mm512_slli_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * g)), 8 * at);
+    return _mm512_mask_permutexvar_epi8(into, byte_at, from, bytes);
+#else /* the 16 bytes to every 128-bit lane, then a shuffle within lanes */
+    const __m512i part = _mm512_broadcast_i32x4(_mm512_extracti32x4_epi32(bytes, g));
+    return _mm512_mask_shuffle_epi8(into, byte_at, part, _mm512_slli_epi32(lane, 8 * at));
+#endif
+}
+
+/* A vector of 16-bit lanes: `low` in its first 256 bits, `high` in the others (per-half shifts: vpsrlvw) */
+static inline __m512i halves(int16_t low, int16_t high) {
+    return _mm512_inserti64x4(_mm512_set1_epi16(low), _mm256_set1_epi16(high), 1);
+}
+#endif
+
 /* Q4_K: w = (d * sc) * q - dmin * mn per block of 32, with 6-bit sc, mn packed in 12 bytes (gguf's
  * get_scale_min); d * sc and dmin * mn are rounded once to fp32 as gguf rounds them (the table: 8 d', then 8 m' =
  * -dmin * mn), then d' * q (exact: 17 + 4 bits) + m' as int4's dequantize_q4_1. */
@@ -200,16 +221,16 @@ static inline void dequantize_q5_k(const uint8_t *super, int j, const float *tab
     for (int b = 0; b < 2; b++)
         for (int t = 0; t < 2; t++)
             values[b][t] = (__m512)((iota + splat(16.0f * t)) * splat(table[j + b]) + splat(table[8 + j + b]));
-    const __m512i nibble = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
-    for (int h = 0; h < 2; h++) {
-        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16 * h)));
-        const __m512i tops = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(fifths + 16 * h)));
-        for (int b = 0; b < 2; b++) {
-            const __m512i low = b ? _mm512_srli_epi32(codes, 4) : _mm512_and_si512(codes, nibble);
-            const __m512i fifth = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(tops, j + b), one), 4);
-            out[2 * b + h] = (vf)_mm512_permutex2var_ps(values[b][0], _mm512_or_si512(low, fifth), values[b][1]);
-        }
-    }
+    /* block j's codes in the first 256 bits, j + 1's in the others, a byte each: the nibble (low, high) in bits 0-3,
+     * the fifth bit (bit j, j + 1) in bit 4, bits 5-7 whatever (vpermt2ps reads 5 bits of an index) */
+    const __m512i nibbles = _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)bytes)),
+                                              halves(0, 4));
+    const __m512i tops = _mm512_slli_epi16(_mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+        (const __m256i *)fifths)), halves(j, j + 1)), 4);
+    const __m512i codes = _mm512_ternarylogic_epi32(nibbles, tops, _mm512_set1_epi8(15), 0xe4); /* bits of A or B */
+    for (int q = 0; q < 4; q++)
+        out[q] = (vf)_mm512_permutex2var_ps(values[q / 2][0], lane_bytes(codes, q, _mm512_setzero_si512(), 0),
+                                            values[q / 2][1]);
 #else
     for (int b = 0; b < 2; b++) {
         const vf dv = splat(table[j + b]), mv = splat(table[8 + j + b]);
@@ -224,34 +245,51 @@ static inline void dequantize_q5_k(const uint8_t *super, int j, const float *tab
 }
 
 /* Q6_K (16 blocks of 16 in gguf's terms): w = (d * sc) * (q - 32), 6-bit q as a low nibble and a high bit pair,
- * int8 sc per 16 inputs; d * sc rounded once to fp32 as gguf rounds it (the table: 16 d'). Our block j = 4n + k of
- * half n: the low nibbles (k < 2) or high ones of bytes 64n + 32(k % 2) .., bits 2k of bytes 128 + 32n .. */
+ * int8 sc per 16 inputs; d * sc rounded once to fp32 as gguf rounds it, d' (exact: 11 + 7 bits), and d' * (q - 32)
+ * exact too (+ 5 bits). Our block j = 4n + k of half n: the low nibbles (k < 2) or high ones of bytes
+ * 64n + 32(k % 2) .., bits 2k of bytes 128 + 32n ..
+ * With AVX-512 a weight is fma(1 + q / 64, 64 d', -96 d'), every step exact (so the same bits as d' * (q - 32)), with
+ * 1 + q / 64 a float whose mantissa's top bits are q: one byte shuffle per 16 weights, no widening or conversion
+ * (the table: 16 64 d', then 16 -96 d'). With AVX2 the table is the 16 d'. */
 static inline void q6_k_scales(const uint8_t *super, float *table) {
     const __m128i scales = _mm_loadu_si128((const __m128i *)(super + 192));
     const __m256 d = _mm256_set1_ps(block_scale(super + 208));
-    _mm256_storeu_ps(table, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))));
-    _mm256_storeu_ps(table + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)))));
+    const __m256 first = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales)));
+    const __m256 second = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8))));
+#if VLEN == 16
+    const __m256 step = _mm256_set1_ps(64.0f), offset = _mm256_set1_ps(-96.0f);
+    _mm256_storeu_ps(table, _mm256_mul_ps(first, step));
+    _mm256_storeu_ps(table + 8, _mm256_mul_ps(second, step));
+    _mm256_storeu_ps(table + 16, _mm256_mul_ps(first, offset));
+    _mm256_storeu_ps(table + 24, _mm256_mul_ps(second, offset));
+    /* read back as broadcasts from memory: GCC otherwise keeps the table in registers and extracts each scale with
+     * two more shuffles, on the pipes the byte shuffles need */
+    __asm__ volatile("" : : "r"(table) : "memory");
+#else
+    _mm256_storeu_ps(table, first);
+    _mm256_storeu_ps(table + 8, second);
+#endif
 }
 
-/* Blocks j .. j + 3 (j = 4n: half n): the codes in bytes, then VLEN at a time widened, times their 16's d'. */
+/* Blocks j .. j + 3 (j = 4n: half n): the codes in bytes, then VLEN at a time into lanes, scaled by their 16's d'. */
 static inline void dequantize_q6_k(const uint8_t *super, int j, const float *table, vf *out) {
     const int n = j / 4;
     const uint8_t *low = super + 64 * n, *high = super + 128 + 32 * n;
 #if VLEN == 16
     /* blocks 4n, 4n + 1 from the low nibbles of 64 bytes, 4n + 2, 4n + 3 from their high ones; block k's high bit
-     * pairs are bits 2k of the same 32 bytes (shifted per 256-bit half: vpsrlvw) */
-    const __m512i bits = _mm512_loadu_si512(low), nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3);
+     * pairs are bits 2k of the same 32 bytes (shifted per 256-bit half: vpsrlvw); each code as 0x80 | 2q */
+    const __m512i bits = _mm512_loadu_si512(low), doubled = _mm512_set1_epi8(0x1e), pair = _mm512_set1_epi8(3);
     const __m512i tops = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)high));
-    const __m512i offset = _mm512_set1_epi8(32);
-    const __m512i shifts[2] = {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1),
-                               _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
-    const __m512i nibbles[2] = {_mm512_and_si512(bits, nibble), _mm512_and_si512(_mm512_srli_epi16(bits, 4), nibble)};
+    const __m512i shifts[2] = {halves(0, 2), halves(4, 6)}, one = _mm512_set1_epi32(0x3f800000);
+    const __m512i nibbles[2] = {_mm512_and_si512(_mm512_slli_epi16(bits, 1), doubled),
+                                _mm512_and_si512(_mm512_srli_epi16(bits, 3), doubled)};
     for (int p = 0; p < 2; p++) { /* blocks 4n + 2p, 4n + 2p + 1 */
-        const __m512i pairs = _mm512_and_si512(_mm512_srlv_epi16(tops, shifts[p]), pair);
-        const __m512i codes = _mm512_sub_epi8(_mm512_or_si512(nibbles[p], _mm512_slli_epi16(pairs, 4)), offset);
+        const __m512i pairs = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(tops, shifts[p]), pair), 5);
+        const __m512i codes = _mm512_ternarylogic_epi32(nibbles[p], pairs, _mm512_set1_epi8((char)0x80), 0xfe);
         for (int q = 0; q < 4; q++) { /* 16 codes, one scale */
-            const __m128i part = _mm512_extracti32x4_epi32(codes, q);
-            out[4 * p + q] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part)) * splat(table[8 * n + 4 * p + q]);
+            const int g = 8 * n + 4 * p + q;
+            const __m512 one_and_code = _mm512_castsi512_ps(lane_bytes(codes, q, one, 2)); /* 1 + q / 64 */
+            out[4 * p + q] = (vf)_mm512_fmadd_ps(one_and_code, _mm512_set1_ps(table[g]), _mm512_set1_ps(table[16 + g]));
         }
     }
 #else
