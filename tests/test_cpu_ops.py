@@ -484,6 +484,8 @@ def test_the_bindings_refuse_tensors_the_c_would_misread():
                lambda: cpu.q8_matmul(x, packed),  # int4 blocks read as Q8_0 ones
                lambda: cpu.q6_k_matmul(torch.randn(3, 256), _super_blocks(Type.Q4_K, 8, 256)[0]),  # Q4_K as Q6_K
                lambda: cpu.q4_k_matmul(x, packed),  # not whole super-blocks
+               lambda: cpu.dequantize_blocks("q6_k", _super_blocks(Type.Q4_K, 8, 256)[0]),  # Q4_K as Q6_K
+               lambda: cpu.dequantize_blocks("q4_k", _super_blocks(Type.Q4_K, 8, 512)[0][:, ::2]),  # strided
                lambda: cpu.q4_matmul(x, torch.cat([packed, packed], dim=-1)[..., :24]),  # strided weights
                lambda: cpu.q4_q8_matmul(x, cpu.pack_q4_rows(*_q4_parts(8, 64)), 40),  # rows it does not hold
                lambda: cpu.rms_norm(x, torch.ones(32), 1e-6),

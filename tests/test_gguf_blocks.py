@@ -110,6 +110,21 @@ def test_the_check_runs_row_chunk_by_row_chunk_with_the_rows_reordered(monkeypat
     assert kernel_blocks(raw, Type.Q4_K, ROWS, reverse) is None
 
 
+@pytest.mark.parametrize("qtype", [Type.Q8_0, Type.Q5_0, Type.Q4_K, Type.Q5_K, Type.Q6_K], ids=lambda t: t.name)
+def test_the_load_checks_blocks_kept_as_the_file_stores_them_as_the_kernels_read_them(qtype, monkeypatch):
+    """A file's blocks that the kernels read as they are (Q8_0, Q5_0, the K-quants) are checked against gguf's
+    numbers through the CPU ops' own dequantization: a reading that differs anywhere refuses them."""
+    assert cpu_ops.load(cpu_ops_dir())
+    raw = random_blocks(qtype, ROWS, WIDTH, np.random.default_rng(5))
+    blocks = kernel_blocks(raw, qtype, ROWS)
+    assert blocks is not None
+    ours = cpu_ops.dequantize_blocks(blocks.kind, torch.from_numpy(blocks.blocks))
+    assert np.array_equal(ours.numpy(), quants.dequantize(raw, qtype).reshape(ROWS, WIDTH))
+    ours[ROWS - 1, WIDTH - 1] += 1.0  # one weight read otherwise, in the last row
+    monkeypatch.setattr(cpu_ops, "dequantize_blocks", lambda kind, blocks: ours)
+    assert kernel_blocks(raw, qtype, ROWS) is None
+
+
 # llama: every type covered (Q6_K down in layer 1, an untied Q6_K head): it decodes in one call of the CPU ops;
 # qwen3: Q3_K, which has no kernel, in a down projection and beside Q6_K in a gate_up (and q/k norms: it decodes op
 # by op), its tied Q8_0 embedding

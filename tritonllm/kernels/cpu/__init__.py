@@ -52,6 +52,7 @@ SIGNATURES = {
     "q4_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q5_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q6_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "dequantize_blocks": [_i64, _p, _i64, _i64, _p],
     "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
@@ -70,7 +71,8 @@ SIGNATURES = {
                      _p, _p, _i64, _i64],
 }
 
-RESULTS = {"paged_prefill_attention_bf16": _i64, "block_matmul_bf16": _i64, "amx_tiles_available": _i64}  # the rest return nothing
+RESULTS = {"paged_prefill_attention_bf16": _i64, "block_matmul_bf16": _i64, "amx_tiles_available": _i64,
+           "dequantize_blocks": _i64}  # the rest return nothing
 
 
 def _cpu_flags() -> str:
@@ -314,6 +316,18 @@ BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK
                "q5_0": (Q5_BYTES, QUANT_BLOCK), "q4_k": (Q4_K_BYTES, SUPER_BLOCK), "q5_k": (Q5_K_BYTES, SUPER_BLOCK),
                "q6_k": (Q6_K_BYTES, SUPER_BLOCK)}
 """A kind of blocks as the fp32-activation ops read them: (bytes, inputs) a (super-)block."""
+
+
+def dequantize_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """A kind's blocks [rows, in / block inputs, block bytes] uint8 (as its fp32-activation op takes them) → the
+    weights that op multiplies, [rows, in] float32."""
+    block_bytes, block_inputs = BLOCK_BYTES[kind]
+    _checked(blocks, "blocks", torch.uint8, (None, None, block_bytes))
+    if not blocks.is_contiguous():
+        raise ValueError("blocks: not contiguous")
+    out = torch.empty(blocks.shape[0], blocks.shape[1] * block_inputs, dtype=torch.float32)
+    _library.dequantize_blocks(BLOCK_KINDS[kind], blocks.data_ptr(), out.shape[0], out.shape[1], out.data_ptr())
+    return out
 
 
 def has_amx_tiles() -> bool:

@@ -25,6 +25,7 @@ void q5_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int
 void q4_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q5_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q6_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
+int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64_t K, float *w);
 void q4_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q8_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 

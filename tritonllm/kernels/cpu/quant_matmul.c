@@ -88,6 +88,25 @@ MICROKERNEL(1, 1)
 /* NAME(x, T, K, weights, N, y): weights [N][K / (32 SUB)] (super-)blocks of SUPER_BYTES, each SUB blocks of 32
  * inputs; K a multiple of 32 SUB (and so of VLEN). */
 #define BLOCK_MATMUL(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT)                                           \
+    /* rows n0 .. n0 + rows - 1 of the N rows as fp32 w[rows][K]: the weights every product of NAME multiplies */ \
+    static void NAME##_rows(const uint8_t *weights, int64_t K, int64_t N, int64_t n0, int64_t rows, float *w) {  \
+        const int64_t blocks = K / QUANT_BLOCK, row_bytes = blocks / (SUB) * (SUPER_BYTES);                     \
+        for (int64_t r = 0; r < rows; r++) {                                                                    \
+            const uint8_t *row = weights + (n0 + r) * row_bytes;                                                \
+            for (int64_t s = 0; s < blocks / (SUB); s++) {                                                      \
+                const uint8_t *super = row + s * (SUPER_BYTES);                                                 \
+                prefetch_lines(super + PREFETCH_AHEAD, SUPER_BYTES, weights + N * row_bytes);                  \
+                float table[SCALE_TABLE];                                                                       \
+                SCALES(super, table);                                                                           \
+                for (int j = 0; j < (SUB); j += (UNIT)) {                                                       \
+                    vf dequantized[(UNIT) * BLOCK_VECTORS];                                                     \
+                    DEQUANTIZE(super, j, table, dequantized);                                                   \
+                    float *out = w + r * K + (s * (SUB) + j) * QUANT_BLOCK;                                     \
+                    for (int i = 0; i < (UNIT) * BLOCK_VECTORS; i++) store(out + i * VLEN, dequantized[i]);     \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
     ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT, ROW_TILE)                                 \
     ONE_TOKEN_KERNEL(NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT, 1)                                        \
     void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {            \
@@ -115,22 +134,7 @@ MICROKERNEL(1, 1)
                 _Pragma("omp for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {              \
                     const int64_t n0 = tile * ROW_TILE;                                                         \
                     const int64_t rows = N - n0 < ROW_TILE ? N - n0 : ROW_TILE;                                 \
-                    for (int64_t r = 0; r < rows; r++) {                                                        \
-                        const uint8_t *row = weights + (n0 + r) * row_bytes;                                    \
-                        for (int64_t s = 0; s < blocks / (SUB); s++) {                                          \
-                            const uint8_t *super = row + s * (SUPER_BYTES);                                     \
-                            prefetch_lines(super + PREFETCH_AHEAD, SUPER_BYTES, weights + N * row_bytes);      \
-                            float table[SCALE_TABLE];                                                           \
-                            SCALES(super, table);                                                               \
-                            for (int j = 0; j < (SUB); j += (UNIT)) {                                           \
-                                vf dequantized[(UNIT) * BLOCK_VECTORS];                                         \
-                                DEQUANTIZE(super, j, table, dequantized);                                       \
-                                float *out = w + r * K + (s * (SUB) + j) * QUANT_BLOCK;                         \
-                                for (int i = 0; i < (UNIT) * BLOCK_VECTORS; i++)                                \
-                                    store(out + i * VLEN, dequantized[i]);                                      \
-                            }                                                                                   \
-                        }                                                                                       \
-                    }                                                                                           \
+                    NAME##_rows(weights, K, N, n0, rows, w);                                                    \
                     if (rows == ROW_TILE) {                                                                     \
                         int64_t t = 0;                                                                          \
                         for (; t + TOKEN_TILE <= tokens; t += TOKEN_TILE)                                       \
@@ -152,6 +156,20 @@ MICROKERNEL(1, 1)
 
 #define FP32_MATMUL(KIND, OP, NAME, ...) BLOCK_MATMUL(OP, __VA_ARGS__)
 BLOCK_FORMATS(FP32_MATMUL)
+
+/* Blocks of `kind` (blocks.h's enum) [N][K / 32 SUB] as the fp32 weights [N][K] their ops multiply (what a load
+ * checks against gguf's numbers); 0, or -1 for no kind of blocks.h's. */
+int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64_t K, float *w) {
+    switch (kind) {
+#define DEQUANTIZE_CASE(KIND, OP, ...)                                                                           \
+    case KIND:                                                                                                  \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n0 = 0; n0 < N; n0 += ROW_TILE)               \
+            OP##_rows(weights, K, N, n0, N - n0 < ROW_TILE ? N - n0 : ROW_TILE, w + n0 * K);                    \
+        return 0;
+        BLOCK_FORMATS(DEQUANTIZE_CASE)
+    default: return -1;
+    }
+}
 
 /* ---- the same projections with int8 activations, llama.cpp's way (its Q8_1 activations): each token's inputs
  * are quantized per block of 32 to codes qx = round(x / dx), |qx| <= 127, with the block's own scale dx = absmax /

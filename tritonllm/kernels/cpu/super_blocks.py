@@ -69,7 +69,8 @@ def q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _scale_min_weights(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """[rows, in] float32: d' · q, then + m', each rounded (gguf's numbers)."""
-    return d.repeat_interleave(BLOCK, 1) * q.float() + m.repeat_interleave(BLOCK, 1)
+    rows = q.shape[0]
+    return (q.view(rows, -1, BLOCK).float() * d[..., None] + m[..., None]).view(rows, -1)
 
 
 def dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,7 @@ def dequantize_q5_k(blocks: torch.Tensor) -> torch.Tensor:
 def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     """[rows, in] float32: d' · code (gguf's numbers)."""
     q, d = q6_k_codes(blocks)
-    return d.repeat_interleave(16, 1) * q.float()
+    return (q.view(q.shape[0], -1, 16).float() * d[..., None]).view(q.shape[0], -1)
 
 
 # each kind (the GGUF type's name in lower case, as the kernels and llama_decode name it) → its dequantization
