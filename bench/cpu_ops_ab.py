@@ -45,7 +45,7 @@ def built_ops(revision: str | None, directory: Path):
     path = cpu.build(directory / "build", source_dir)
     if path is None:
         raise SystemExit("no C compiler: the CPU ops cannot be built")
-    return cpu.open_library(path)
+    return cpu.open_library(path, older=revision is not None)
 
 
 def main() -> None:

@@ -132,10 +132,13 @@ def load(directory: Path) -> bool:
     return _library is not None
 
 
-def open_library(path: Path) -> ctypes.CDLL:
-    """A built library with its functions' signatures set."""
+def open_library(path: Path, older: bool = False) -> ctypes.CDLL:
+    """A built library with its functions' signatures set; `older`: an earlier revision's build (bench/cpu_ops_ab.py),
+    which may lack the ops added since."""
     library = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
+        if older and not hasattr(library, name):
+            continue
         getattr(library, name).argtypes = argtypes
         getattr(library, name).restype = RESULTS.get(name)
     return library
