@@ -84,70 +84,59 @@ static inline void dequantize_q8_0(const uint8_t *block, int j, const float *tab
     }
 }
 
-static inline void dequantize_q5_0(const uint8_t *block, int j, const float *table, vf *out) {
-    (void)j, (void)table; /* one block, its scale in it */
-    const vf dv = splat(block_scale(block));
-    uint32_t high;
-    memcpy(&high, block + 2, 4);
+/* A block's 32 five-bit codes, element j's low 4 bits from the 16 bytes at `nibbles` (j low, j + 16 high) and its
+ * fifth bit j of `fifths`, as floats less `offset` (Q5_0's 16; 0 for Q5_1): small integers, exact. */
+static inline void five_bit_codes(const uint8_t *nibbles, uint32_t fifths, int offset, vf *out) {
 #if VLEN == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
-    /* in bytes, as the Q8_0 codes: each nibble, less 16 where its fifth bit is clear (a masked subtract) */
-    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 6)), sixteen = _mm_set1_epi8(16);
+    /* in signed bytes: each nibble, less 16 where its fifth bit is clear (offset 16) or plus 16 where it is set */
+    const __m128i packed = _mm_loadu_si128((const __m128i *)nibbles), sixteen = _mm_set1_epi8(16);
     const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
     const __m128i top = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
-    const __m128i codes[2] = {_mm_mask_sub_epi8(low, (__mmask16)~high, low, sixteen),
-                              _mm_mask_sub_epi8(top, (__mmask16)~(high >> 16), top, sixteen)};
-    for (int v = 0; v < 2; v++) out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes[v])) * dv;
+    const __m128i codes[2] = {
+        offset ? _mm_mask_sub_epi8(low, (__mmask16)~fifths, low, sixteen)
+               : _mm_mask_add_epi8(low, (__mmask16)fifths, low, sixteen),
+        offset ? _mm_mask_sub_epi8(top, (__mmask16)~(fifths >> 16), top, sixteen)
+               : _mm_mask_add_epi8(top, (__mmask16)(fifths >> 16), top, sixteen)};
+    for (int v = 0; v < 2; v++) out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes[v]));
 #else
     vi lane;
     for (int i = 0; i < VLEN; i++) lane[i] = i;
-    /* out[v] holds elements v * VLEN ..: their low 4 bits from the nibbles, the 5th from `high`, then - 16 */
+    /* out[v] holds elements v * VLEN ..: their low 4 bits from the nibbles, the 5th from `fifths` */
 #if VLEN == 16
-    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 6)));
-    const vi nibbles[2] = {codes & 15, codes >> 4};
+    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)nibbles));
+    const vi low[2] = {codes & 15, codes >> 4};
 #else
-    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 6))),
-                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 14)))};
-    const vi nibbles[4] = {codes[0] & 15, codes[1] & 15, codes[0] >> 4, codes[1] >> 4};
+    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)nibbles)),
+                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(nibbles + 8)))};
+    const vi low[4] = {codes[0] & 15, codes[1] & 15, codes[0] >> 4, codes[1] >> 4};
 #endif
     for (int v = 0; v < BLOCK_VECTORS; v++) {
-        const vi fifth = (((vi){0} + (int32_t)(high >> (v * VLEN))) >> lane & 1) << 4;
-        out[v] = __builtin_convertvector((nibbles[v] | fifth) - 16, vf) * dv;
+        const vi fifth = (((vi){0} + (int32_t)(fifths >> (v * VLEN))) >> lane & 1) << 4;
+        out[v] = __builtin_convertvector((low[v] | fifth) - offset, vf);
     }
 #endif
 }
 
+/* Q5_0 (as the GGUF stores it): fp16 d, 32 fifth bits, 16 bytes of nibbles; w = d * (q - 16) */
+static inline void dequantize_q5_0(const uint8_t *block, int j, const float *table, vf *out) {
+    (void)j, (void)table; /* one block, its scale in it */
+    const vf dv = splat(block_scale(block));
+    uint32_t fifths;
+    memcpy(&fifths, block + 2, 4);
+    five_bit_codes(block + 6, fifths, 16, out);
+    for (int v = 0; v < BLOCK_VECTORS; v++) out[v] *= dv;
+}
+
+/* int5 (a GGUF's Q5_1, repacked): fp32 d, fp32 m, 32 fifth bits, 16 bytes of nibbles; w = d * q + m */
 static inline void dequantize_q5_1(const uint8_t *block, int j, const float *table, vf *out) {
     (void)j, (void)table; /* one block, its scale in it */
     float d, m;
     memcpy(&d, block, 4);
     memcpy(&m, block + 4, 4);
-    const vf dv = splat(d), mv = splat(m);
-    uint32_t high;
-    memcpy(&high, block + 8, 4);
-#if VLEN == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
-    /* in bytes: each nibble, plus 16 where its fifth bit is set (a masked add) */
-    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 12)), sixteen = _mm_set1_epi8(16);
-    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
-    const __m128i top = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
-    const __m128i codes[2] = {_mm_mask_add_epi8(low, (__mmask16)high, low, sixteen),
-                              _mm_mask_add_epi8(top, (__mmask16)(high >> 16), top, sixteen)};
-    for (int v = 0; v < 2; v++) out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes[v])) * dv + mv;
-#else
-    vi lane;
-    for (int i = 0; i < VLEN; i++) lane[i] = i;
-#if VLEN == 16
-    const vi codes = (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 12)));
-    const vi nibbles[2] = {codes & 15, codes >> 4};
-#else
-    const vi codes[2] = {(vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 12))),
-                         (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(block + 20)))};
-    const vi nibbles[4] = {codes[0] & 15, codes[1] & 15, codes[0] >> 4, codes[1] >> 4};
-#endif
-    for (int v = 0; v < BLOCK_VECTORS; v++) {
-        const vi fifth = (((vi){0} + (int32_t)(high >> (v * VLEN))) >> lane & 1) << 4;
-        out[v] = __builtin_convertvector(nibbles[v] | fifth, vf) * dv + mv;
-    }
-#endif
+    uint32_t fifths;
+    memcpy(&fifths, block + 8, 4);
+    five_bit_codes(block + 12, fifths, 0, out);
+    for (int v = 0; v < BLOCK_VECTORS; v++) out[v] = out[v] * splat(d) + splat(m);
 }
 
 #if VLEN == 16
