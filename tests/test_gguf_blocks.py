@@ -96,17 +96,19 @@ def test_a_type_without_kernel_or_inexact_blocks_is_refused():
     assert kernel_blocks(raw, Type.Q4_0, ROWS) is None
 
 
-def test_the_check_runs_row_chunk_by_row_chunk_with_the_rows_reordered(monkeypatch):
-    """The check dequantizes a few rows at a time (a large embedding is never dense in memory): a bad block in a
-    later chunk (our row 21, the file's row 2) is still found, and reordered rows (llama's q/k) are checked against
-    their own rows of the file."""
-    monkeypatch.setattr(gguf_blocks, "CHECK_ROWS", 5)
+def test_the_check_compares_rows_first_to_last_in_their_reordered_places(monkeypatch):
+    """The load compares CHECKED_ROWS rows spread from a tensor's first to its last (gguf's numpy dequantization of
+    every row was most of a load), each against its own row of the file where rows are reordered (llama's q/k): a
+    bad block in a compared row (our row 17, the file's row 6) refuses the blocks."""
+    monkeypatch.setattr(gguf_blocks, "CHECKED_ROWS", 5)
+    assert gguf_blocks.checked_rows(ROWS).tolist() == [0, 6, 12, 17, 23]
+    assert gguf_blocks.checked_rows(3).tolist() == [0, 1, 2]
     rng = np.random.default_rng(4)
     raw = random_blocks(Type.Q4_K, ROWS, WIDTH, rng)
     reverse = lambda x: x[::-1]  # noqa: E731
     blocks = kernel_blocks(raw, Type.Q4_K, ROWS, reverse)
     assert np.array_equal(blocks.dequantize(), quants.dequantize(raw, Type.Q4_K).reshape(ROWS, WIDTH)[::-1])
-    raw.reshape(ROWS, -1, 144)[2, 1, :2] = np.array([np.inf], np.float16).view(np.uint8)
+    raw.reshape(ROWS, -1, 144)[6, 1, :2] = np.array([np.inf], np.float16).view(np.uint8)
     assert kernel_blocks(raw, Type.Q4_K, ROWS, reverse) is None
 
 

@@ -46,6 +46,28 @@ def test_tensors_are_the_gguf_readers(gguf_path):
         assert np.array_equal(mine.data, reference.data), mine.name
 
 
+def _resident_kib(path: Path) -> int:
+    """This process's resident KiB of its mappings of `path` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header: address range, perms, offset, dev, inode, path
+            ours = line.endswith(str(path))
+        elif ours and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_tensors_pages_leave_resident_memory_when_dropped_and_read_the_same_again(gguf_path):
+    """A load copies each tensor, then drops its pages: the file is not resident beside its copy."""
+    largest = max(read_gguf(gguf_path).tensors(), key=lambda tensor: tensor.n_bytes)
+    path = Path(gguf_path).resolve()
+    before = np.array(largest.data)  # read: its pages are resident
+    assert _resident_kib(path) * 1024 >= largest.n_bytes
+    largest.drop_pages()
+    assert _resident_kib(path) * 1024 < largest.n_bytes // 2
+    assert np.array_equal(largest.data, before)
+
+
 def test_metadata_is_the_gguf_readers(gguf_path):
     fields = {key: field for key, field in GGUFReader(gguf_path).fields.items() if not key.startswith("GGUF.")}
     gguf = read_gguf(gguf_path, TOKENIZER_ARRAYS)

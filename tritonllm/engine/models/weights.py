@@ -98,6 +98,7 @@ def gguf_checkpoint(gguf_path: Path, arch: ModelArchitecture, model_type: str
         tensor = tensors[name]
         rows = shape(name)[0] if len(tensor.shape) > 1 else 1
         found, dense = checked_blocks(tensor.data, tensor.tensor_type, rows, order)
+        tensor.drop_pages()  # what it gives is a copy
         if found is None:
             dense = dense.reshape(shape(name))
             if len(tensor.shape) > 1:
