@@ -280,6 +280,9 @@ class TritonServer:
             # Explicit model control: the model loads at start as before, and `serve` may reload it through the
             # model-repository API when an engine process dies (tritonllm/engine_supervisor.py).
             "--model-control-mode=explicit", f"--load-model={MODEL_NAME}",
+            # config.pbtxt declares the model whole: auto-completing it would start a Python stub of its own, which
+            # imports model.py (torch, the engine) only to find nothing to add
+            "--disable-auto-complete-config",
             # Python-backend stubs talk to the server through /dev/shm regions named from this prefix: distinct for
             # each tritonserver on the host (as its gRPC port is), so several never share a region, and a region
             # left by a killed server names its owner.
