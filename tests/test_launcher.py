@@ -386,3 +386,18 @@ def test_start_refuses_a_port_in_use(tmp_path):
         with pytest.raises(launcher.TritonStartError, match=str(server.grpc_port)):
             server.start()
     assert server.process is None
+
+
+def test_serves_stop_signal_escapes_a_librarys_except_exception():
+    """serve's SIGINT/SIGTERM handler raises where the main thread is; a library's `except Exception` there (as
+    pydantic's, building the adapter's schemas) must not end the stop."""
+    import signal
+    previous = signal.signal(signal.SIGTERM, cli._raise_stop)
+    try:
+        with pytest.raises(cli._Stop):
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            except Exception:  # the library's
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -128,6 +128,31 @@ def test_sigterm_stops_the_stack_cleanly(default_model_dir: Path, tmp_path: Path
         assert not crashes, crashes
 
 
+def test_sigterm_while_the_adapter_starts_stops_serve(default_model_dir: Path, tmp_path: Path):
+    """SIGTERM the moment the model is ready and the adapter starts (its app and schemas being built, before
+    uvicorn takes the signals over): serve stops within seconds, exit 0, nothing of the stack left. The signal
+    once landed in pydantic's schema building, inside an `except Exception`, and serve ran on."""
+    stack = StackProcess(default_model_dir, tmp_path, ("--kv-cache-memory", "64MiB"), None)
+    serve_log = tmp_path / "serve.log"
+    with open(serve_log, "wb") as log:
+        stack.process = subprocess.Popen(stack.command, cwd=stack_helpers.REPO_ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + stack_helpers.STACK_START_TIMEOUT_S
+        while "OpenAI API on" not in serve_log.read_text():
+            assert stack.process.poll() is None and time.monotonic() < deadline, stack.logs()
+            time.sleep(0.02)
+        processes = {pid: Path(command_line(pid)[0]).name for pid in descendant_pids(stack.process.pid)}
+        stack.process.send_signal(signal.SIGTERM)
+        stack.process.wait(CLEAN_STOP_S + STOP_MARGIN_S)
+    finally:
+        stack.stop()  # (a no-op once it has exited)
+    assert stack.process.returncode == 0, stack.logs()
+    left = _still_running(processes)
+    assert not left, f"still running after serve exited: {left}"
+
+
 def test_a_model_that_fails_to_load_ends_serve_with_the_reason_and_no_stub_crash(default_model_dir: Path,
                                                                                 tmp_path: Path):
     """The engine cannot build its CPU ops (an unwritable cache directory): Triton's load of the model fails,

@@ -44,8 +44,10 @@ _ALL_BUT_TRITON_PLACE = ("host", "port", "log_level")
 _ALL_BUT_MODEL = tuple(field.name for field in settings.settings_fields(EngineConfig) if field.name != "model_path")
 
 
-class _Stop(Exception):
-    """SIGINT/SIGTERM arrived: unwind and stop everything."""
+class _Stop(BaseException):
+    """SIGINT/SIGTERM arrived: unwind and stop everything. Not an Exception (as KeyboardInterrupt is not): raised
+    wherever the main thread is, it must not end in a library's `except Exception` (pydantic's, building the
+    adapter's schemas, swallowed it, and serve ran on)."""
 
 
 @dataclasses.dataclass(frozen=True)
