@@ -71,11 +71,14 @@ class StackProcess:
         )
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> None:
-        serve_log = self.state_dir / "serve.log"
-        with open(serve_log, "ab") as log:
+    def spawn(self) -> None:
+        """Start `tritonllm serve`, its output appended to serve.log; start() also waits for its health."""
+        with open(self.state_dir / "serve.log", "ab") as log:
             self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def start(self) -> None:
+        self.spawn()
         deadline = time.monotonic() + STACK_START_TIMEOUT_S
         health = self.stack.base_url.removesuffix("/v1") + "/health"
         while not answers_ok(health):

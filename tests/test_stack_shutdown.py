@@ -134,10 +134,7 @@ def test_sigterm_while_the_adapter_starts_stops_serve(default_model_dir: Path, t
     once landed in pydantic's schema building, inside an `except Exception`, and serve ran on."""
     stack = StackProcess(default_model_dir, tmp_path, ("--kv-cache-memory", "64MiB"), None)
     serve_log = tmp_path / "serve.log"
-    with open(serve_log, "wb") as log:
-        stack.process = subprocess.Popen(stack.command, cwd=stack_helpers.REPO_ROOT, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    stack.spawn()
     try:
         deadline = time.monotonic() + stack_helpers.STACK_START_TIMEOUT_S
         while "OpenAI API on" not in serve_log.read_text():

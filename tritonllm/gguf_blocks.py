@@ -16,8 +16,8 @@ and Q6_K's super-blocks stay as the file stores them too: their kernels decode t
 (tritonllm/kernels/cpu/super_blocks.py says how), so a weight costs the file's 4.5, 5.5 and 6.56 bits.
 
 `gguf.quants.dequantize` is the reference for every type: `kernel_blocks` returns a tensor's blocks only when they
-dequantize to exactly its numbers, compared on CHECKED_ROWS rows from first to last (the sign of a zero aside: Q4_0's d · 0 may be −0 where d · 8 − 8d is +0, and
-a dot product adds either the same way)."""
+dequantize to exactly its numbers, compared on CHECKED_ROWS rows from first to last (the sign of a zero aside:
+Q4_0's d · 0 may be −0 where d · 8 − 8d is +0, and a dot product adds either the same way)."""
 
 from __future__ import annotations
 

@@ -391,6 +391,7 @@ def _write_kernel_blocks(gguf_path: Path, out_dir: Path) -> None:
             order = (llama_rotary_order(parts[2], heads, kv_heads) if config["model_type"] == "llama" and projection
                      else lambda x: x)
             found = kernel_blocks(tensor.data, tensor.tensor_type, rows, order) if name in names else None
+            tensor.drop_pages()  # what it gives is a copy
             if found is not None and np.array_equal(found.dequantize(), dense.get_tensor(name).float().numpy()):
                 if isinstance(found, Int4Blocks):
                     blocks.update({f"{name}.q": found.q, f"{name}.d": found.d, f"{name}.m": found.m})
