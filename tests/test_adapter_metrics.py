@@ -162,3 +162,28 @@ def test_health_is_red_while_an_engine_instance_is_dead(monkeypatch):
     assert response.status_code == 503
     error = response.json()["error"]
     assert "llm_0_1" in error["message"] and "llm_0_0" not in error["message"] and "dead" in error["message"]
+
+
+def test_health_answers_at_once_while_serve_reports_an_engine_process_dead(monkeypatch):
+    """While the model reloads, a probe of the dead instance waits out its timeout: /health does not ask it again
+    (Kubernetes' probes time out after 1 s by default)."""
+    from tritonllm.adapter.engine_health import EngineHealth
+    from tritonllm.adapter.triton_client import TritonClient
+
+    async def ready(self) -> bool:
+        return True
+
+    probes = []
+
+    async def probe(self) -> None:
+        probes.append(True)
+
+    monkeypatch.setattr(TritonClient, "is_ready", ready)
+    monkeypatch.setattr(TritonClient, "probe", probe)
+    health = EngineHealth()
+    with _triton_metrics_endpoint(TRITON_METRICS) as url, TestClient(create_app(_settings(url), health)) as client:
+        assert client.get("/health").status_code == 200 and len(probes) == 1
+        health.mark_dead("llm_0_0", "killed by SIGKILL")
+        response = client.get("/health")
+    assert response.status_code == 503 and "llm_0_0" in response.json()["error"]["message"]
+    assert len(probes) == 1

@@ -94,6 +94,29 @@ def _wait_for(check, timeout: float, what: str):
     return result
 
 
+async def _watch_the_dead_window(client: httpx.AsyncClient, base_url: str, model: str, deadline: float) -> dict:
+    """What the stack answers while the engine is dead, read as soon as it says so (the reload of an int4 model takes
+    only seconds, often less than the dead engine's streams take to end): the first /health that is not 200, the
+    relayed metrics once they say the engine is dead, and a request sent while /health is red."""
+    root_url = base_url.removesuffix("/v1")
+    seen: dict = {"health": None, "metrics": None, "refused": None}
+    dead_gauge = re.compile(rf'^tritonllm:engine_dead{{[^}}]*instance="{INSTANCE}"[^}}]*}} 1\.0$', re.MULTILINE)
+    while time.monotonic() < deadline:
+        health = await client.get(f"{root_url}/health")
+        if health.status_code == 200 and seen["health"] is not None:
+            return seen  # served again
+        if seen["metrics"] is None and dead_gauge.search(metrics := (await client.get(f"{root_url}/metrics")).text):
+            seen["metrics"] = metrics
+        if health.status_code != 200 and seen["health"] is None:
+            seen["health"] = health
+            seen["refused"] = await client.post(f"{base_url}/completions",
+                                                json={"model": model, "prompt": "Hi", "max_tokens": 2})
+        if seen["health"] is not None and seen["metrics"] is not None:
+            return seen
+        await asyncio.sleep(0.05)
+    return seen
+
+
 def test_a_killed_engine_fails_its_streams_turns_health_red_and_is_reloaded(dying):
     base_url, model = dying.stack.base_url, dying.stack.model_name
     root_url = base_url.removesuffix("/v1")
@@ -102,29 +125,27 @@ def test_a_killed_engine_fails_its_streams_turns_health_red_and_is_reloaded(dyin
     processes_before = _process_names(dying)
     threads_before = _threads(stub)
 
-    async def scenario() -> tuple[list, float]:
+    async def scenario() -> tuple[list, dict, float]:
         async with httpx.AsyncClient(timeout=120) as client:
             started = [asyncio.Event() for _ in range(4)]
             streams = [asyncio.create_task(_stream(client, base_url, model, event)) for event in started]
             await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
             killed = time.monotonic()
             os.kill(stub, signal.SIGKILL)
-            return await asyncio.gather(*streams), killed
+            seen = asyncio.create_task(_watch_the_dead_window(client, base_url, model, killed + dying.recovery_s))
+            return await asyncio.gather(*streams), await seen, killed
 
-    outcomes, killed = asyncio.run(scenario())
-    health = httpx.get(f"{root_url}/health", timeout=10)
-    metrics = httpx.get(f"{root_url}/metrics", timeout=10).text
-    refused = httpx.post(f"{base_url}/completions", timeout=30,
-                         json={"model": model, "prompt": "Hi", "max_tokens": 2})
+    outcomes, seen, killed = asyncio.run(scenario())
+    health, metrics, refused = seen["health"], seen["metrics"], seen["refused"]
     _wait_for(lambda: httpx.get(f"{root_url}/health", timeout=10).status_code == 200, dying.recovery_s - (
         time.monotonic() - killed), f"serving again after the kill; {dying.logs()}")
     _paris(base_url, model)
     serve_log = (dying.state_dir / "serve.log").read_text()
 
     assert max(ended for _, ended in outcomes) - killed < STREAM_END_S, outcomes
-    if refused.status_code != 200:  # (unless the reload was already done)
+    assert health is not None and health.status_code == 503, f"/health never turned red; {dying.logs()}"
+    if refused.status_code != 200:  # (unless the reload was done between the two)
         assert refused.status_code == 503 and "retry-after" in refused.headers, refused.text
-    assert health.status_code == 503, health.text
     if "tritonserver exited" in serve_log:
         # tritonserver 2.51's Python backend can abort on the lock the engine held when it was killed in the middle
         # of a response (boost::interprocess::lock_exception): then Triton is gone too, its streams end as Triton
@@ -136,8 +157,7 @@ def test_a_killed_engine_fails_its_streams_turns_health_red_and_is_reloaded(dyin
     else:
         assert all(outcome.startswith("error event") and INSTANCE in outcome for outcome, _ in outcomes), outcomes
         assert INSTANCE in health.text, health.text
-        assert re.search(rf'^tritonllm:engine_dead{{[^}}]*instance="{INSTANCE}"[^}}]*}} 1\.0$', metrics,
-                         re.MULTILINE), metrics
+        assert metrics is not None, "the relayed engine_dead gauge never said 1"
         assert f"engine instance {INSTANCE} (pid {stub}) died" in serve_log and "model reloaded" in serve_log
 
     # nothing of the dead engine is left: its KV blocks (a new engine, all free), threads, processes

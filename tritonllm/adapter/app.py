@@ -249,8 +249,9 @@ def create_app(settings: AdapterSettings, engine_health: EngineHealth | None = N
             raise service_unavailable(f"engine instance(s) {', '.join(failed)} of Triton model "
                                       f"'{settings.triton_model}' are dead after repeated failed steps; restart "
                                       "the server (its log says why).")
-        await triton.probe()  # (a dead engine process answers at once; an idle server would not notice it otherwise)
-        ended = triton.health.dead()
+        if not (ended := triton.health.dead()):
+            await triton.probe()  # (a dead engine process answers at once; an idle server would not notice otherwise)
+            ended = triton.health.dead()
         if ended:
             raise service_unavailable(f"engine instance(s) {', '.join(sorted(ended))} of Triton model "
                                       f"'{settings.triton_model}' died ({'; '.join(ended.values())}); being "
