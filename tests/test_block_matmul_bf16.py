@@ -1,5 +1,6 @@
 """Prompt rows' projections in bf16 straight from a GGUF's blocks (kernels/cpu/block_matmul_bf16.c), on AMX tiles and
-as AVX512-BF16 dot products: every kind of block the fp32-activation kernels read, against gguf's dequantization
+as AVX512-BF16 dot products: every kind of block the fp32-activation kernels read (and the int8-activation ones' row
+groups), against gguf's dequantization
 rounded to bf16, to the bit where the sum is one product; a row alike in any batch; a fused projection's parts side
 by side; bad inputs refused. On a CPU without AVX512-BF16 the op is absent, and what the engine does instead is
 tested in tests/test_prefill_dtype.py; on one without AMX tiles their runs are skipped."""
@@ -40,19 +41,24 @@ def block_matmul(tiles: bool):
 def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random blocks of `kind` as the fp32-activation ops take them, and the float32 weights they stand for."""
     generator = torch.Generator().manual_seed(seed)
-    if kind in ("int4", "int5"):  # our repacks of Q4_0/Q4_1 and Q5_1: w = d·q + m per 32
-        q = torch.randint(0, 16 if kind == "int4" else 32, (rows, width), dtype=torch.uint8, generator=generator)
+    if kind in ("int4", "int5", "int4_groups"):  # our repacks of Q4_0/Q4_1 and Q5_1: w = d·q + m per 32; int4-q8's
+        q = torch.randint(0, 32 if kind == "int5" else 16, (rows, width), dtype=torch.uint8, generator=generator)
         d = (torch.rand(rows, width // 32, generator=generator) * 0.02).half().float()
         m = (-torch.rand(rows, width // 32, generator=generator) * 0.1).half().float()
         dense = d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
-        return (cpu.pack_q4 if kind == "int4" else cpu.pack_q5_1)(q, d, m), dense
+        pack = {"int4": cpu.pack_q4, "int5": cpu.pack_q5_1, "int4_groups": cpu.pack_q4_rows}[kind]
+        return pack(q, d, m), dense
+    if kind == "q8_0_groups":
+        blocks, dense = _blocks("q8_0", rows, width, seed)
+        return cpu.pack_q8_rows(blocks), dense
     raw = random_blocks(GGUF_KINDS[kind], rows, width, np.random.default_rng(seed))
     dense = torch.from_numpy(quants.dequantize(raw, GGUF_KINDS[kind]).reshape(rows, width).astype(np.float32))
     block_bytes, block_inputs = cpu.BLOCK_BYTES[kind]
     return torch.from_numpy(raw.reshape(rows, width // block_inputs, block_bytes)), dense
 
 
-KINDS = ["int4", "int5", *GGUF_KINDS]
+# and the int8-activation ops' row groups (int4-q8's prompt rows on bf16 hardware read them)
+KINDS = ["int4", "int5", *GGUF_KINDS, "int4_groups", "q8_0_groups"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -70,7 +76,7 @@ def test_each_kind_is_its_weights_rounded_to_bf16_summed_in_float32(kind, rows, 
     assert torch.equal(block_matmul_bf16(torch.eye(width), [(kind, blocks, rows)]).T, dense.bfloat16().float())
 
 
-@pytest.mark.parametrize("kind", ["int4", "q4_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["int4", "q4_k", "q6_k", "int4_groups"])
 def test_a_row_does_not_depend_on_the_batch(kind, tiles):
     block_matmul_bf16 = block_matmul(tiles)
     blocks, _ = _blocks(kind, 80, 768)

@@ -191,18 +191,21 @@ def test_the_embedding_is_looked_up_in_its_blocks(gguf_model_dir, dense_model):
     assert torch.equal(model.embed_tokens(ids), dense_model.embed_tokens(ids))
 
 
-@pytest.mark.parametrize("weight_format", ["auto", "int4"])
+AUTO_ON_BLOCKS = "int4-q8 (cpu_ops kernel, two-level int8 per block of 32 activations)"
+
+
+@pytest.mark.parametrize("weight_format, runs_as", [("auto", "int4-q8"), ("int4", "int4"), ("int4-q8", "int4-q8")])
 def test_a_gguf_read_as_it_is_gives_its_dense_conversions_logits(gguf_model_dir, converted_model_dir,
-                                                                 weight_format):
+                                                                 weight_format, runs_as):
     """The file read tensor by tensor, its blocks alone, against today's conversion (transformers' dequantization
-    into safetensors, the blocks beside it): the same logits, to the bit. auto runs the blocks through the CPU ops,
-    untimed (timing another format would need the dense copy)."""
+    into safetensors, the blocks beside it): the same logits, to the bit. auto runs the blocks through the CPU ops'
+    int4-q8, untimed (timing another format would need the dense copy)."""
     ids = list(range(100, 140))
     linked, description = load_model(EngineConfig(weight_format=weight_format, prefill_dtype="float32"),
                                      gguf_model_dir, torch.device("cpu"))
-    converted, _ = load_model(EngineConfig(weight_format="int4", prefill_dtype="float32"), converted_model_dir,
-                              torch.device("cpu"))
-    assert description == "int4 (cpu_ops kernel, float32 activations)"
+    converted, expected = load_model(EngineConfig(weight_format=runs_as, prefill_dtype="float32"),
+                                     converted_model_dir, torch.device("cpu"))
+    assert description == expected and description.startswith(f"{runs_as} (cpu_ops kernel")
     assert torch.equal(prefill_logits(linked, ids), prefill_logits(converted, ids))
 
 
@@ -214,14 +217,14 @@ def test_a_gguf_read_as_it_is_runs_bf16_prompts_on_its_blocks_without_a_copy(ggu
     ids = list(range(100, 140))
     linked, description = load_model(EngineConfig(), gguf_model_dir, torch.device("cpu"))
     if not (cpu_ops.has_bf16_ops() and linear.cpu_has_bf16()):
-        assert description == "int4 (cpu_ops kernel, float32 activations)"
+        assert description == AUTO_ON_BLOCKS
         return
-    assert description == "int4 (cpu_ops kernel, float32 activations), bfloat16 prompts"
+    assert description == f"{AUTO_ON_BLOCKS}, bfloat16 prompts"
     projections = [getattr(owner, name) for i in range(linked.arch.num_layers) for owner, name in linked._projections(i)]
     on_blocks = [p for p in projections if p.plain_block_parts() is not None]
     assert on_blocks and all(p.prompt_parts is not None and p.prompt_weight is None for p in on_blocks)
     assert all(p.prompt_weight is not None for p in projections if p.plain_block_parts() is None)
-    converted, _ = load_model(EngineConfig(weight_format="int4", prefill_dtype="bfloat16"), converted_model_dir,
+    converted, _ = load_model(EngineConfig(weight_format="int4-q8", prefill_dtype="bfloat16"), converted_model_dir,
                               torch.device("cpu"))
     assert torch.equal(prefill_logits(linked, ids), prefill_logits(converted, ids))
 
@@ -239,16 +242,16 @@ def test_a_dense_format_gets_the_files_numbers(gguf_model_dir, dense_model):
 
 
 def test_auto_may_pick_the_blocks_and_keeps_greedy_output(gguf_model_dir):
-    assert "int4" in {c.weight_format for c in linear.candidates("auto", None, has_blocks=True)}
+    assert {"int4", "int4-q8"} <= {c.weight_format for c in linear.candidates("auto", None, has_blocks=True)}
     assert linear.candidates("auto", None, has_blocks=True, blocks_alone=True) == [
-        linear.Choice("int4", torch.float32, "cpu_ops")]
+        linear.Choice("int4-q8", torch.float32, "cpu_ops")]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outputs = {}
-    for weight_format in ("float32", "int4"):
+    for weight_format in ("float32", "auto"):
         engine = LLMEngine(EngineConfig(model_path=str(gguf_model_dir), weight_format=weight_format,
                                         kv_cache_memory=16 << 20))
         outputs[weight_format] = [r.token_ids() for r in generate(engine, PROMPTS, greedy)]
-    assert outputs["int4"] == outputs["float32"]
+    assert outputs["auto"] == outputs["float32"]
 
 
 @pytest.mark.parametrize("gguf_model_dir", ["llama"], indirect=True)  # qwen3's q/k norms: op by op

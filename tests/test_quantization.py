@@ -126,8 +126,8 @@ def test_q4_k_runs_on_its_kernel_where_its_super_blocks_fit(tmp_path, default_mo
 
 @pytest.mark.parametrize("quantization", FORMATS)
 def test_the_logits_error_is_the_stated_one(model_dir, float32_logits, quantization):
-    model, description = load_model(EngineConfig(quantization=quantization, prefill_dtype="float32"), model_dir,
-                                    torch.device("cpu"))  # (the quantization's error alone: prompts in float32)
+    config = EngineConfig(quantization=quantization, weight_format="int4", prefill_dtype="float32")
+    model, description = load_model(config, model_dir, torch.device("cpu"))  # (the quantization's error alone)
     assert description == f"int4 (cpu_ops kernel, float32 activations), quantized at load to {quantization}"
     error = float((prefill_logits(model, TOKENS) - float32_logits).norm() / float32_logits.norm())
     assert error == pytest.approx(STATED_ERROR[model_dir.name.removeprefix("tiny-")][quantization], rel=0.2)
@@ -140,8 +140,8 @@ def test_an_engine_serves_a_quantized_checkpoint_greedily(model_dir, weight_form
     engine = LLMEngine(EngineConfig(model_path=str(model_dir), quantization="q4_0", weight_format=weight_format,
                                     prefill_dtype="float32", kv_cache_memory=16 << 20))
     described = engine.core.runner.weight_format
-    expected = {"auto": "int4 (cpu_ops kernel, float32 activations)",
-                "int4-q8": "int4-q8 (cpu_ops kernel, int8 per block of 32 activations)"}[weight_format]
+    expected = {"auto": "int4-q8 (cpu_ops kernel, two-level int8 per block of 32 activations)",
+                "int4-q8": "int4-q8 (cpu_ops kernel, two-level int8 per block of 32 activations)"}[weight_format]
     assert described == f"{expected}, quantized at load to q4_0"
     assert any(f"weights {described};" in record.getMessage() for record in caplog.records)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -181,6 +181,6 @@ def test_the_shipped_q4_1_weights_quantize_back_to_their_blocks(default_model_di
             (hf_checkpoint / path.name).symlink_to(path)
     gguf, _ = load_model(EngineConfig(weight_format="int4", prefill_dtype="float32"), default_model_dir,
                          torch.device("cpu"))
-    quantized, _ = load_model(EngineConfig(quantization="q4_1", prefill_dtype="float32"), hf_checkpoint,
-                              torch.device("cpu"))
+    quantized, _ = load_model(EngineConfig(quantization="q4_1", weight_format="int4", prefill_dtype="float32"),
+                              hf_checkpoint, torch.device("cpu"))
     assert torch.equal(prefill_logits(quantized, TOKENS), prefill_logits(gguf, TOKENS))

@@ -114,7 +114,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         log.info("weight formats timed on the model's first %d layers (a whole copy would not fit in the "
                  "memory available)", layers)
     choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
-    prompts_on_blocks = choice.blocks and not choice.int8_activations and cpu_ops.has_bf16_ops()  # (Projection's)
+    prompts_on_blocks = choice.blocks and cpu_ops.has_bf16_ops()  # (Projection's)
     prefill = prefill_dtype(config.prefill_dtype, choice.dtype, blocks_alone and not prompts_on_blocks)
     if prefill == torch.bfloat16:
         arch = model.arch

@@ -14,7 +14,7 @@ checkpoint:
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
 | int4 | the GGUF's own blocks: Q4_0, Q4_1 as int4 blocks (scale d, zero m per 32 weights, fp32), Q5_1 as int5 blocks (likewise), Q8_0, Q5_0, Q4_K, Q5_K and Q6_K as they are (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
-| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (Q4_K as int4 blocks; int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one) | each token's inputs to int8 per block of 32 with the block's own scale (llama.cpp's Q8_1), exact integer sums per block | lossy: llama.cpp's numerics | no: only when asked for |
+| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (Q4_K as int4 blocks; int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one; Q5_0 as Q8_0); Q5_1, Q5_K, Q6_K as int4 runs them | each token's inputs per block of 32 to two levels of int8 codes, x ≈ dx·(q1 + q2/256) (q1 llama.cpp's Q8_1), exact integer sums per block | near-exact: inputs within absmax/32,500, the fp16 rounding of Q4_K's d·sc; logits closer to float32's than float16's | yes: a GGUF read as its blocks alone (untimed: it beats int4 at 1 and 32 streams on AVX2, AVX-512 and VNNI), else timed |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
@@ -249,8 +249,9 @@ class Projection(nn.Module):
         raise NotImplementedError
 
     def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        """The projection's weights as blocks the CPU ops' fp32-activation kernels read: (kind of blocks, blocks,
-        output rows) per run of rows; None for one without such blocks."""
+        """The projection's weights as blocks block_matmul_bf16 reads (those of the fp32-activation kernels, or the
+        int8-activation ones' row groups): (kind of blocks, blocks, output rows) per run of rows; None for one
+        without such blocks."""
         return None
 
     def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
@@ -341,7 +342,7 @@ class Q4Projection(Projection):
         self.packed = (cpu_ops.pack_q4_rows if int8_activations else cpu_ops.pack_q4)(weight.q, weight.d, weight.m)
 
     def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        return None if self.int8_activations else [("int4", self.packed, self.rows)]
+        return [("int4_groups" if self.int8_activations else "int4", self.packed, self.rows)]
 
     def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:  # (int8 activations: the groups of rows)
         return None if self.bias is not None else [("int4", self.packed, self.rows)]
@@ -380,7 +381,7 @@ class Q8Projection(Projection):
         self.packed = cpu_ops.pack_q8_rows(blocks) if int8_activations else blocks
 
     def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        return None if self.int8_activations else [("q8_0", self.packed, self.rows)]
+        return [("q8_0_groups" if self.int8_activations else "q8_0", self.packed, self.rows)]
 
     def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:  # (int8 activations: the groups of rows)
         return None if self.bias is not None else [("q8_0", self.packed, self.rows)]
@@ -527,7 +528,7 @@ class Choice:
         return Choice("bfloat16", self.dtype, "aten").make(weight, bias)
 
     def describe(self) -> str:
-        activations = {"int8": "int8 per token", "int4-q8": "int8 per block of 32"}.get(
+        activations = {"int8": "int8 per token", "int4-q8": "two-level int8 per block of 32"}.get(
             self.weight_format, str(self.dtype).removeprefix("torch."))
         return f"{self.weight_format} ({self.kernel} kernel, {activations} activations)"
 
@@ -545,11 +546,12 @@ def candidates(requested: str, dtype: torch.dtype | None, has_blocks: bool, bloc
     if requested not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight_format {requested!r} (choose from {', '.join(WEIGHT_FORMATS)})")
     if requested == "auto" and blocks_alone and (dtype or torch.float32) == torch.float32 and cpu_ops.available():
-        return [Choice("int4", torch.float32, "cpu_ops")]
+        return [Choice("int4-q8", torch.float32, "cpu_ops")]
     if requested == "auto":
         act = dtype or torch.float32
+        integer = ["int4-q8"] if act == torch.float32 and cpu_ops.available() else []
         formats = (["float32"] + (["float16"] if _fbgemm_available() else []) if act == torch.float32
-                   else ["bfloat16"]) + (["int4"] if has_blocks else [])
+                   else ["bfloat16"]) + (["int4", *integer] if has_blocks else [])
     else:
         formats = [requested]
         if requested in BLOCK_FORMATS and not has_blocks:

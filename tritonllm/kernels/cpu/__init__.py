@@ -225,7 +225,7 @@ def _row_groups(codes: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor
 def pack_q4_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """int4 codes q [out, in] (0..15) and scales d, zeros m [out, in / 32] → q4_q8_matmul's row groups: per block,
     4 chunks whose low nibbles hold inputs 4c .. 4c + 3 and high nibbles 16 + 4c .. 16 + 4c + 3, then d, m rounded
-    to fp16 (exact for Q4_0 and Q4_1, not for every Q4_K scale: the integer kernel is lossy anyway)."""
+    to fp16 (exact for Q4_0 and Q4_1, not for every Q4_K scale d·sc: relative 2^-12, as float16 weights)."""
     rows, width = q.shape
     codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
     nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)
@@ -313,12 +313,16 @@ def q6_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 # blocks.h's enum: what a projection's blocks are
-BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6}
+BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6, "int4_groups": 7,
+               "q8_0_groups": 8}
 BF16_TOKENS = 32  # block_matmul_bf16.c's tokens a step (AMX_TOKENS)
 BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK), "q8_0": (Q8_BYTES, QUANT_BLOCK),
                "q5_0": (Q5_BYTES, QUANT_BLOCK), "q4_k": (Q4_K_BYTES, SUPER_BLOCK), "q5_k": (Q5_K_BYTES, SUPER_BLOCK),
                "q6_k": (Q6_K_BYTES, SUPER_BLOCK)}
 """A kind of blocks as the fp32-activation ops read them: (bytes, inputs) a (super-)block."""
+ROW_GROUP_BYTES = {"int4_groups": Q4_GROUP_BYTES, "q8_0_groups": Q8_GROUP_BYTES}
+"""The int8-activation ops' row groups (pack_q4_rows, pack_q8_rows) as block_matmul_bf16 reads them: bytes a
+block of 32 inputs of GROUP_ROWS rows."""
 
 
 def dequantize_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -349,14 +353,17 @@ def block_matmul_bf16(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]
     """x [tokens, in] float32 (rounded to bf16 in the op) @ a projection's weights [out, in].T → [tokens, out]
     float32, the weights read from their blocks (block_matmul_bf16.c): on AMX tiles where has_amx_tiles() and
     `tiles`, else as AVX512-BF16 dot products. parts are (BLOCK_KINDS name, blocks as the fp32-activation ops take
-    them, output rows, a multiple of 16) in output order. Only where has_bf16_ops()."""
+    them, or the int8-activation ops' row groups: ROW_GROUP_BYTES, output rows, a multiple of 16) in output order.
+    Only where has_bf16_ops()."""
     _checked(x, "x", torch.float32, (None, None))
     tokens, inputs = x.shape
     for kind, blocks, rows in parts:
-        block_bytes, block_inputs = BLOCK_BYTES[kind]
+        block_bytes, block_inputs = ((ROW_GROUP_BYTES[kind], QUANT_BLOCK) if kind in ROW_GROUP_BYTES
+                                     else BLOCK_BYTES[kind])
         if inputs % block_inputs or rows % 16:
             raise ValueError(f"{kind}: {inputs} inputs, {rows} rows: not multiples of {block_inputs} and 16")
-        _checked(blocks, "weights", torch.uint8, (rows, inputs // block_inputs, block_bytes))
+        groups = rows // GROUP_ROWS if kind in ROW_GROUP_BYTES else rows
+        _checked(blocks, "weights", torch.uint8, (groups, inputs // block_inputs, block_bytes))
         if not blocks.is_contiguous():
             raise ValueError("weights: not contiguous (pack them once, at load)")
     x = x.contiguous()
@@ -373,8 +380,9 @@ def block_matmul_bf16(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]
 
 def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     """x [tokens, in] float32 @ the weights [rows, in].T that pack_q4_rows packed, with each token's x quantized per
-    block of 32 to int8 codes first (llama.cpp's Q8_1: codes round(x / dx) with dx the block's absmax / 127, and
-    sx = dx · Σ codes): Σ_b dw·dx·(the block's code products, summed exactly) + mw·sx."""
+    block of 32 to two levels of int8 codes first (q1 = round(x / dx) with dx the block's absmax / 127, llama.cpp's
+    Q8_1; q2 = round(256 (x / dx − q1)) within ±127; sx = dx / 256 · Σ (256 q1 + q2)):
+    Σ_b dw·(dx / 256)·(the block's products of 256 q1 + q2, summed exactly) + mw·sx."""
     return _block_matmul(_library.q4_q8_matmul, x, packed, rows, Q4_GROUP_BYTES, GROUP_ROWS)
 
 

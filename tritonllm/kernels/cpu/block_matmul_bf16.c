@@ -57,12 +57,65 @@ typedef void (*RightOperands)(const uint8_t *rows, int64_t row_bytes, int64_t bl
 #define KIND_OPERANDS(KIND, OP, NAME, ...) RIGHT_OPERANDS(NAME##_operands, __VA_ARGS__)
 BLOCK_FORMATS(KIND_OPERANDS)
 
-/* A kind's right operands, and its bytes a row of `blocks` blocks of 32 inputs; NULL for no kind of blocks.h's. */
+/* A group of 16 rows in blocks.h's row groups (the int8-activation ops' weights) as right operands: lane r of a
+ * chunk holds row r's codes of 4 inputs, so each input's 16 weights are one vector (d, m a lane each), and two
+ * inputs' rounded to bf16 are an operand's row of pairs as they are: no transpose. */
+static inline void store_pair(uint16_t *row, __m512 first, __m512 second) {
+    const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(first));
+    const __m512i high = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(second));
+    _mm512_store_si512(row, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+}
+
+static inline __m512 code_of_lanes(__m512i codes, int byte) { /* byte `byte` of each lane, as a float */
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * byte), _mm512_set1_epi32(0xff)));
+}
+
+static void int4_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
+                                 int64_t stride) {
+    (void)row_bytes;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * Q4_GROUP_BYTES;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 4 * GROUP_CHUNK)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 4 * GROUP_CHUNK + 32)));
+        for (int c = 0; c < 4; c++) {
+            const __m512i both = _mm512_loadu_si512(block + c * GROUP_CHUNK), nibble = _mm512_set1_epi8(15);
+            const __m512i halves[2] = {_mm512_and_si512(both, nibble),
+                                       _mm512_and_si512(_mm512_srli_epi32(both, 4), nibble)};
+            for (int h = 0; h < 2; h++) /* inputs 16h + 4c + i: pairs 8h + 2c, 8h + 2c + 1 */
+                for (int i = 0; i < 4; i += 2)
+                    store_pair(operands + b * stride + 32 * (8 * h + 2 * c + i / 2),
+                               _mm512_fmadd_ps(code_of_lanes(halves[h], i), d, m),
+                               _mm512_fmadd_ps(code_of_lanes(halves[h], i + 1), d, m));
+        }
+    }
+}
+
+static void q8_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
+                               int64_t stride) {
+    (void)row_bytes;
+    const __m512 offset = _mm512_set1_ps(128.0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * Q8_GROUP_BYTES;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 8 * GROUP_CHUNK)));
+        for (int c = 0; c < 8; c++) { /* inputs 4c + i (codes + 128): pairs 2c, 2c + 1 */
+            const __m512i codes = _mm512_loadu_si512(block + c * GROUP_CHUNK);
+            for (int i = 0; i < 4; i += 2)
+                store_pair(operands + b * stride + 32 * (2 * c + i / 2),
+                           _mm512_mul_ps(_mm512_sub_ps(code_of_lanes(codes, i), offset), d),
+                           _mm512_mul_ps(_mm512_sub_ps(code_of_lanes(codes, i + 1), offset), d));
+        }
+    }
+}
+
+/* A kind's right operands, and its bytes a row of `blocks` blocks of 32 inputs (row groups: a group's over 16, so
+ * that row n0, a multiple of 16, is its group's start); NULL for no kind of blocks.h's. */
 static RightOperands right_operands(int64_t kind, int64_t blocks, int64_t *row_bytes) {
     switch (kind) {
 #define KIND_CASE(KIND, OP, NAME, DEQUANTIZE, SCALES, SUPER_BYTES, SUB, UNIT)                                       \
     case KIND: *row_bytes = blocks / (SUB) * (SUPER_BYTES); return NAME##_operands;
         BLOCK_FORMATS(KIND_CASE)
+    case INT4_ROW_GROUPS: *row_bytes = blocks * Q4_GROUP_BYTES / GROUP_ROWS; return int4_groups_operands;
+    case Q8_ROW_GROUPS: *row_bytes = blocks * Q8_GROUP_BYTES / GROUP_ROWS; return q8_groups_operands;
     default: return NULL;
     }
 }

@@ -9,7 +9,16 @@
 #include "vector.h"
 
 /* kernels/cpu/__init__.py's BLOCK_KINDS: what a projection's blocks are */
-enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLOCKS, Q5_K_BLOCKS };
+enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLOCKS, Q5_K_BLOCKS, INT4_ROW_GROUPS,
+       Q8_ROW_GROUPS };
+
+/* The int8-activation ops' layout (quant_matmul.c; the bf16 prompt rows read it too): rows in groups of 16, per
+ * group and block of 32 inputs its codes as chunks of 64 bytes (chunk c, byte 4r + i: row r's code for input 4c + i;
+ * int4's chunks hold inputs 16 + 4c + i in their high nibbles), then the 16 rows' fp16 d (and m). */
+#define GROUP_ROWS 16
+#define GROUP_CHUNK 64                          /* bytes: 4 codes of each of a group's rows */
+#define Q4_GROUP_BYTES (4 * GROUP_CHUNK + 64)   /* per block: 32 nibbles a row in 4 chunks, 16 d, 16 m */
+#define Q8_GROUP_BYTES (8 * GROUP_CHUNK + 32)   /* per block: 32 codes + 128 a row (as u8) in 8 chunks, 16 d */
 
 #define QUANT_BLOCK 32
 #define Q4_1_BYTES 24 /* fp32 d, fp32 m (the GGUF's fp16, widened at load: each a broadcast from memory, where

@@ -171,72 +171,89 @@ int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64
     }
 }
 
-/* ---- the same projections with int8 activations, llama.cpp's way (its Q8_1 activations): each token's inputs
- * are quantized per block of 32 to codes qx = round(x / dx), |qx| <= 127, with the block's own scale dx = absmax /
- * 127 and sx = dx · Σ qx. A block's products of weight and input codes are summed exactly in integers, then
- * y += (dw · dx) · Σ + mw · sx per block, in block order, in fp32 (Q8_0 has no mw).
+/* ---- the same projections with int8 activations in two levels: each token's inputs are quantized per block of
+ * 32 to codes q1 = round(x / dx), |q1| <= 127, with the block's own scale dx = absmax / 127 (llama.cpp's Q8_1), and
+ * the rounding left over to second codes q2 = round(256 (x / dx - q1)), |q2| <= 127: x = dx (q1 + q2 / 256) to
+ * within dx / 256 (absmax / 32,500; one level alone leaves absmax / 254). A block's products of weight and input
+ * codes are summed exactly in integers, 256 Σ w q1 + Σ w q2, then y += (dw · dx / 256) · Σ + mw · sx per block, in
+ * block order, in fp32, with sx = dx / 256 · (256 Σ q1 + Σ q2) (Q8_0 has no mw).
  *
- * The weights are repacked at load into groups of 16 rows (pack_q4_rows / pack_q8_rows): per group and block, its
- * codes as chunks of 64 bytes (chunk c, byte 4r + i: row r's code for input 4c + i; Q4_1's chunks hold inputs
- * 16 + 4c + i in their high nibbles), then the 16 rows' fp16 dw (and mw). One vector then holds 4 inputs of every
- * row of a group (16 rows with AVX-512, 8 with AVX2), so one broadcast of 4 input codes meets them all: a block is
- * 8 multiply-adds of 4 code pairs per lane (vpdpbusd with AVX512-VNNI; pairs to int16, then to int32, without),
+ * The weights are repacked at load into groups of 16 rows (pack_q4_rows / pack_q8_rows; blocks.h's row groups).
+ * One vector then holds 4 inputs of every row of a group (16 rows with AVX-512, 8 with AVX2), so one broadcast of
+ * 4 input codes meets them all: a block is
+ * 16 multiply-adds of 4 code pairs per lane (vpdpbusd with AVX512-VNNI; pairs to int16, then to int32, without),
  * no horizontal sums, and one scale vector for all the group's rows. Every tile shape and every T computes each
  * (row, token) pair the same way: batch-invariant to the bit. */
 
-#define GROUP_ROWS 16
-#define GROUP_CHUNK 64                          /* bytes: 4 codes of each of a group's rows */
-#define Q4_GROUP_BYTES (4 * GROUP_CHUNK + 64)   /* per block: 32 nibbles a row in 4 chunks, 16 dw, 16 mw */
-#define Q8_GROUP_BYTES (8 * GROUP_CHUNK + 32)   /* per block: 32 codes + 128 a row (as u8) in 8 chunks, 16 dw */
+#define SECOND_LEVEL 256                        /* q2's step: 1 / 256 of q1's */
 
-typedef struct { /* a step's activations, quantized: [T][K] codes, and per [T][K / 32] block dx and Σ qx */
-    int8_t *q;
+typedef struct { /* a step's activations, quantized: [T][K] codes of each level, and per [T][K / 32] block
+                  * dx / 256 and 256 Σ q1 + Σ q2 */
+    int8_t *q1, *q2;
     float *d;
     int32_t *sum;
 } Q8Activations;
 
-/* One token's K inputs (K a multiple of 32) as codes, scales and sums of codes. */
-static void quantize_q8(const float *x, int64_t K, int8_t *q, float *d, int32_t *sum) {
+/* 8 int32 codes (each within int8) of a vector to bytes, 32 codes in order from four vectors: the saturating packs
+ * interleave 128-bit halves, the permute restores the order. */
+static inline void store_codes(int8_t *out, const __m256i codes[4]) {
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]),
+                                              _mm256_packs_epi32(codes[2], codes[3]));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+static inline int32_t sum_lanes(__m256i v) {
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+    return _mm_cvtsi128_si32(t4);
+}
+
+/* One token's K inputs (K a multiple of 32) as codes of both levels, scales and sums of codes. */
+static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float *d, int32_t *sum) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    /* q2 within ±127 (256 · 0.5 rounds to 128): a sign flip of -128 (the AVX2 Q8_0 path's) would overflow */
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
     for (int64_t b = 0; b < K / QUANT_BLOCK; b++) {
-        __m256 v[4], top = _mm256_setzero_ps();
+        __m256 v[4], absmax8 = _mm256_setzero_ps();
         for (int i = 0; i < 4; i++) {
             v[i] = _mm256_loadu_ps(x + b * QUANT_BLOCK + i * 8);
-            top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
+            absmax8 = _mm256_max_ps(absmax8, _mm256_and_ps(v[i], magnitude));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(absmax8), _mm256_extractf128_ps(absmax8, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         const float absmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-        const float scale = absmax / 127.0f, inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
-        __m256i codes[4], total = _mm256_setzero_si256();
+        const float inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+        __m256i first[4], second[4], total = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) { /* rounded to nearest even (the default mode) */
-            codes[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse)));
-            total = _mm256_add_epi32(total, codes[i]);
+            const __m256 scaled = _mm256_mul_ps(v[i], _mm256_set1_ps(inverse));
+            first[i] = _mm256_cvtps_epi32(scaled);
+            const __m256 left = _mm256_sub_ps(scaled, _mm256_cvtepi32_ps(first[i])); /* exact: |left| <= 0.5 */
+            second[i] = _mm256_max_epi32(_mm256_min_epi32(
+                _mm256_cvtps_epi32(_mm256_mul_ps(left, _mm256_set1_ps((float)SECOND_LEVEL))), top), bottom);
+            total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(first[i], 8), second[i]));
         }
-        /* int32 → int8 with saturating packs, which interleave 128-bit halves; the permute restores the order */
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]),
-                                                  _mm256_packs_epi32(codes[2], codes[3]));
-        _mm256_storeu_si256((__m256i *)(q + b * QUANT_BLOCK),
-                            _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
-        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
-        d[b] = scale;
-        sum[b] = _mm_cvtsi128_si32(t4);
+        store_codes(q1 + b * QUANT_BLOCK, first);
+        store_codes(q2 + b * QUANT_BLOCK, second);
+        d[b] = absmax / (127.0f * SECOND_LEVEL);
+        sum[b] = sum_lanes(total);
     }
 }
 
 static Q8Activations quantize_rows(const float *x, int64_t T, int64_t K) {
     const int64_t blocks = K / QUANT_BLOCK;
-    const Q8Activations a = {aligned_alloc(64, (size_t)((T * K + 63) / 64 * 64)), malloc((size_t)(T * blocks * 4)),
-                             malloc((size_t)(T * blocks * 4))};
+    const size_t code_bytes = (size_t)((T * K + 63) / 64 * 64);
+    const Q8Activations a = {aligned_alloc(64, code_bytes), aligned_alloc(64, code_bytes),
+                             malloc((size_t)(T * blocks * 4)), malloc((size_t)(T * blocks * 4))};
 #pragma omp parallel for schedule(static) if (T > 1)
-    for (int64_t t = 0; t < T; t++) quantize_q8(x + t * K, K, a.q + t * K, a.d + t * blocks, a.sum + t * blocks);
+    for (int64_t t = 0; t < T; t++)
+        quantize_q8(x + t * K, K, a.q1 + t * K, a.q2 + t * K, a.d + t * blocks, a.sum + t * blocks);
     return a;
 }
 
 static void free_activations(Q8Activations a) {
-    free(a.q);
+    free(a.q1);
+    free(a.q2);
     free(a.d);
     free(a.sum);
 }
@@ -283,21 +300,20 @@ static inline void q8_0_rows(const uint8_t *codes, rows_t w[8]) {
     for (int c = 0; c < 8; c++) w[c] = load_rows(codes + c * GROUP_CHUNK);
 }
 
-/* Per row, the block's 32 products of its weight codes w (0..15, or a Q8_0 code + 128) and one token's input
- * codes x, summed exactly. */
-static inline rows_t block_sum(const rows_t w[8], const int8_t *x, int32_t x_sum, int q8_0) {
+/* Per row, the block's 32 products of its weight codes w (0..15, or a Q8_0 code + 128) and one level of one token's
+ * input codes x, summed exactly. */
+static inline rows_t level_sum(const rows_t w[8], const int8_t *x, int q8_0) {
 #if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
+    (void)q8_0;
     rows_t even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains: dpbusd's latency */
     for (int j = 0; j < 8; j += 2) {
         even = _mm512_dpbusd_epi32(even, w[j], four_codes(x + 4 * j));
         odd = _mm512_dpbusd_epi32(odd, w[j + 1], four_codes(x + 4 * j + 4));
     }
-    const rows_t sum = _mm512_add_epi32(even, odd);
-    return q8_0 ? _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x_sum)) : sum; /* Σ (w + 128) x − 128 Σ x */
+    return _mm512_add_epi32(even, odd); /* Q8_0: Σ (w + 128) x; block_sum takes the 128 Σ x back */
 #else
-    (void)x_sum;
     const rows_t ones = RV(set1_epi16)(1);
-    if (!q8_0) { /* u4 x s8 pairs are at most 3810: 8 of them still fit int16 */
+    if (!q8_0) { /* u4 x s8 pairs are at most 3840: 8 of them still fit int16 */
         rows_t pairs = RV(maddubs_epi16)(w[0], four_codes(x));
         for (int j = 1; j < 8; j++) pairs = RV(add_epi16)(pairs, RV(maddubs_epi16)(w[j], four_codes(x + 4 * j)));
         return RV(madd_epi16)(pairs, ones);
@@ -317,7 +333,18 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x, int32_t x_sum
 #endif
 }
 
-/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row] = Σ_b dw dx Σ + mw sx. */
+/* 256 Σ w q1 + Σ w q2 per row (at most 32 · 255 · 127 · 257: within int32). */
+static inline rows_t block_sum(const rows_t w[8], const int8_t *x1, const int8_t *x2, int32_t x_sum, int q8_0) {
+    const rows_t sum = RV(add_epi32)(RV(slli_epi32)(level_sum(w, x1, q8_0), 8), level_sum(w, x2, q8_0));
+#if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
+    return q8_0 ? _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x_sum)) : sum; /* Σ (w + 128) x − 128 Σ x */
+#else
+    (void)x_sum;
+    return sum;
+#endif
+}
+
+/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row] = Σ_b dw (dx / 256) Σ + mw sx. */
 #define ROWS_TILE_(NAME, VECTORS, TOKENS) NAME##_rows_##VECTORS##x##TOKENS
 #define ROWS_TILE(NAME, VECTORS, TOKENS) ROWS_TILE_(NAME, VECTORS, TOKENS)
 #define ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, VECTORS, TOKENS)                                   \
@@ -338,10 +365,11 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x, int32_t x_sum
                 const sums_t dw = row_scales(scales), mw = HAS_MIN ? row_scales(scales + 32) : dw;              \
                 for (int t = 0; t < TOKENS; t++) {                                                              \
                     const int64_t at = (t0 + t) * blocks + b;                                                   \
-                    const rows_t sum = block_sum(w, x.q + at * QUANT_BLOCK, x.sum[at], !(HAS_MIN));             \
+                    const int8_t *x1 = x.q1 + at * QUANT_BLOCK, *x2 = x.q2 + at * QUANT_BLOCK;                  \
+                    const rows_t sum = block_sum(w, x1, x2, x.sum[at], !(HAS_MIN));                             \
                     const sums_t scale = RV(mul_ps)(dw, RV(set1_ps)(x.d[at]));                                  \
                     acc[v][t] = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), scale, acc[v][t]);                           \
-                    if (HAS_MIN) /* sx = dx Σ qx */                                                              \
+                    if (HAS_MIN) /* sx = dx / 256 · Σ */                                                        \
                         acc[v][t] = RV(fmadd_ps)(mw, RV(set1_ps)(x.d[at] * (float)x.sum[at]), acc[v][t]);       \
                 }                                                                                               \
             }                                                                                                   \
