@@ -240,6 +240,18 @@ def test_int8_activation_rows_do_not_depend_on_the_batch(op):
             assert torch.equal(getattr(cpu, op)(x[start:start + size], packed, 131), together[start:start + size])
 
 
+def test_row_groups_are_packed_alike_in_any_number_of_steps(monkeypatch):
+    """A vocabulary-sized head is packed a few row groups at a time (its temporaries would be several times its
+    bytes): the same bytes as in one step, a last partial group's padding rows included."""
+    q = torch.randint(0, 16, (131, 96), dtype=torch.uint8)
+    d, m = torch.rand(131, 3).half(), torch.rand(131, 3).half()
+    q8_blocks = cpu.pack_q8_exact(_q8(131, 96))
+    whole = cpu.pack_q4_rows(q, d, m), cpu.pack_q8_rows(q8_blocks)
+    monkeypatch.setattr(cpu, "PACKED_ROWS", 32)
+    assert torch.equal(cpu.pack_q4_rows(q, d, m), whole[0]) and torch.equal(cpu.pack_q8_rows(q8_blocks), whole[1])
+    assert whole[0].shape == (9, 3, cpu.Q4_GROUP_BYTES)
+
+
 def test_only_weights_that_are_q8_0_blocks_to_the_bit_are_packed_as_q8_0():
     dense = _q8(64, 128)
     dense[3, 0:32] = 0  # an all-zero block is one (d = 0)

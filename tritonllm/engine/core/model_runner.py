@@ -105,8 +105,8 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     if blocks_alone and not all(option.runs_blocks_alone for option in options):
         model.dequantize_projections(blocks)
 
-    def in_format(model: LlamaForCausalLM, choice: Choice, prefill=torch.float32) -> LlamaForCausalLM:
-        model.use_weight_format(choice, blocks, prefill)
+    def in_format(model: LlamaForCausalLM, choice: Choice, prefill=torch.float32, last_use=False) -> LlamaForCausalLM:
+        model.use_weight_format(choice, blocks, prefill, last_use)
         return model.to(choice.dtype)
 
     layers = _probe_layers(model)
@@ -121,7 +121,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         prefill_attention_bf16.warm_up(arch.num_heads, arch.num_kv_heads, arch.head_dim)
     prompts = "" if prefill == torch.float32 else ", bfloat16 prompts"
     quantized = "" if config.quantization == "none" else f", quantized at load to {config.quantization}"
-    return in_format(model, choice, prefill), choice.describe() + prompts + quantized
+    return in_format(model, choice, prefill, last_use=True), choice.describe() + prompts + quantized
 
 
 def return_freed_memory() -> None:

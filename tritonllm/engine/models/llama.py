@@ -219,11 +219,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def use_weight_format(self, choice: Choice, blocks: GgufBlocks | None,
-                          prefill_dtype: torch.dtype = torch.float32) -> None:
+                          prefill_dtype: torch.dtype = torch.float32, last_use: bool = False) -> None:
         """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
         blocks: the GGUF's blocks of projection_weights(layer) and of the head, for int4 and int4-q8;
         prefill_dtype bfloat16: prompt rows run on the blocks (the CPU ops' bf16 op), else on bf16 copies (2 bytes a
-        weight)."""
+        weight). last_use: a layer's blocks are let go once its projections are made (a format that repacks them,
+        int4-q8, then holds one layer's twice at most, not the model's)."""
         for index in range(len(self.layers)):
             owners = self._projections(index)
             for (owner, name), weight in zip(owners, blocks.layers[index] if blocks else [None] * len(owners)):
@@ -233,6 +234,8 @@ class LlamaForCausalLM(nn.Module):
                     dense = weight.dequantize if linear.weight.is_meta else lambda: linear.weight  # (called here)
                     projection.run_prompts_in_bf16(dense)
                 setattr(owner, name, projection)
+            if blocks and last_use:
+                blocks.layers[index] = None
         self.prefill_dtype = prefill_dtype
         self.lm_head = choice.make_head(self.head_weight(), blocks.head if blocks and choice.blocks else None)
         if blocks and blocks.embedding is not None and choice.runs_blocks_alone:

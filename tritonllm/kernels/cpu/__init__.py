@@ -226,19 +226,42 @@ def pack_q4_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Ten
     """int4 codes q [out, in] (0..15) and scales d, zeros m [out, in / 32] → q4_q8_matmul's row groups: per block,
     4 chunks whose low nibbles hold inputs 4c .. 4c + 3 and high nibbles 16 + 4c .. 16 + 4c + 3, then d, m rounded
     to fp16 (exact for Q4_0 and Q4_1, not for every Q4_K scale d·sc: relative 2^-12, as float16 weights)."""
-    rows, width = q.shape
-    codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
-    nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)
-    return _row_groups(nibbles.reshape(rows, -1), [d, m])
+    def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        rows, width = q.shape
+        codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
+        nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)
+        return _row_groups(nibbles.reshape(rows, -1), [d, m])
+
+    return _in_row_chunks(pack, q, d, m)
 
 
 def pack_q8_rows(blocks: torch.Tensor) -> torch.Tensor:
     """pack_q8_exact's Q8_0 blocks → q8_q8_matmul's row groups: per block, 8 chunks of codes + 128 (unsigned
     bytes, for vpdpbusd), then d."""
-    rows, count = blocks.shape[:2]
-    d = blocks[..., :2].contiguous().view(torch.float16).view(rows, count)
-    codes = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return _row_groups(codes.reshape(rows, -1), [d])
+    def pack(blocks: torch.Tensor) -> torch.Tensor:
+        rows, count = blocks.shape[:2]
+        d = blocks[..., :2].contiguous().view(torch.float16).view(rows, count)
+        codes = blocks[..., 2:].contiguous().view(torch.int8).view(torch.uint8) ^ 0x80  # + 128, as unsigned bytes
+        return _row_groups(codes.reshape(rows, -1), [d])
+
+    return _in_row_chunks(pack, blocks)
+
+
+PACKED_ROWS = 64 * GROUP_ROWS  # rows a packing step takes: its temporaries stay small (a vocabulary-sized head's
+# would be several times the packed weights)
+
+
+def _in_row_chunks(pack, *tensors: torch.Tensor) -> torch.Tensor:
+    """pack(*tensors) (row groups of the tensors' rows), PACKED_ROWS rows at a time, into one tensor."""
+    rows = tensors[0].shape[0]
+    first = pack(*(t[:PACKED_ROWS] for t in tensors))
+    out = torch.empty((-(-rows // GROUP_ROWS), *first.shape[1:]), dtype=torch.uint8)
+    out[:len(first)] = first
+    for start in range(PACKED_ROWS, rows, PACKED_ROWS):
+        group = start // GROUP_ROWS
+        part = pack(*(t[start:start + PACKED_ROWS] for t in tensors))
+        out[group:group + len(part)] = part
+    return out
 
 
 def _checked(tensor: torch.Tensor, name: str, dtype: torch.dtype | None, shape: tuple[int | None, ...]) -> None:
