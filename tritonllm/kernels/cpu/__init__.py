@@ -37,7 +37,7 @@ SOURCE_DIR = Path(__file__).parent  # *.c (one concept each) and their headers, 
 MARCH = os.environ.get("TRITONLLM_CPU_MARCH", "native")
 FLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 QUANT_BLOCK = 32  # as in quant_matmul.c
-# quant_matmul.c's bytes a block of 32 inputs (per row; the int8-activation ops' per group of GROUP_ROWS rows), and
+# blocks.h's bytes a block of 32 inputs (per row; its row groups' per group of GROUP_ROWS rows), and
 # a K-quant super-block's of SUPER_BLOCK (super_blocks.py)
 Q4_BYTES, Q5_1_BYTES, Q8_BYTES, Q5_BYTES = 24, 28, 34, 22
 Q4_GROUP_BYTES, Q8_GROUP_BYTES = 4 * 64 + 64, 8 * 64 + 32
@@ -205,14 +205,14 @@ def pack_q8_exact(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([d.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
 
 
-GROUP_ROWS = 16  # as in quant_matmul.c: the int8-activation ops' weights in groups of 16 rows
+GROUP_ROWS = 16  # as in blocks.h: the int8-activation ops' weights in groups of 16 rows
 
 
 def _row_groups(codes: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
     """Each row's code bytes [out, blocks · chunks · 4] (per block, chunk c holds the row's 4 bytes for inputs 4c ..
     4c + 3) and per-block scales [out, blocks] → [groups of 16 rows, blocks, chunks · 64 + 32 per scale] uint8:
     per group and block, each chunk as the group's 16 rows' 4 bytes side by side, then each scale's 16 fp16 values
-    (quant_matmul.c's int8-activation layout)."""
+    (blocks.h's row groups)."""
     rows, width = codes.shape[0], scales[0].shape[1] * QUANT_BLOCK
     padding = -rows % GROUP_ROWS  # zero rows: their outputs are computed, never stored
     groups, blocks = (rows + padding) // GROUP_ROWS, width // QUANT_BLOCK
