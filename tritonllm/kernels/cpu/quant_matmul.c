@@ -180,12 +180,12 @@ int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64
  *
  * The weights are repacked at load into groups of 16 rows (pack_q4_rows / pack_q8_rows; blocks.h's row groups).
  * One vector then holds 4 inputs of every row of a group (16 rows with AVX-512, 8 with AVX2), so one broadcast of
- * 4 input codes meets them all: a block is
- * 16 multiply-adds of 4 code pairs per lane (vpdpbusd with AVX512-VNNI; pairs to int16, then to int32, without),
- * no horizontal sums, and one scale vector for all the group's rows. Every tile shape and every T computes each
- * (row, token) pair the same way: batch-invariant to the bit. */
+ * 4 input codes meets them all: a block is 16 multiply-adds of 4 code pairs per lane (vpdpbusd with AVX512-VNNI;
+ * pairs to int16, then to int32, without), no horizontal sums, and one scale vector for all the group's rows.
+ * Every tile shape and every T computes each (row, token) pair the same way: batch-invariant to the bit. */
 
-#define SECOND_LEVEL 256                        /* q2's step: 1 / 256 of q1's */
+#define SECOND_LEVEL_BITS 8 /* q2's step: 1 / 256 of q1's */
+#define SECOND_LEVEL (1 << SECOND_LEVEL_BITS)
 
 typedef struct { /* a step's activations, quantized: [T][K] codes of each level, and per [T][K / 32] block
                   * dx / 256 and 256 Σ q1 + Σ q2 */
@@ -231,7 +231,8 @@ static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float
             const __m256 left = _mm256_sub_ps(scaled, _mm256_cvtepi32_ps(first[i])); /* exact: |left| <= 0.5 */
             second[i] = _mm256_max_epi32(_mm256_min_epi32(
                 _mm256_cvtps_epi32(_mm256_mul_ps(left, _mm256_set1_ps((float)SECOND_LEVEL))), top), bottom);
-            total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(first[i], 8), second[i]));
+            total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(first[i], SECOND_LEVEL_BITS),
+                                                             second[i]));
         }
         store_codes(q1 + b * QUANT_BLOCK, first);
         store_codes(q2 + b * QUANT_BLOCK, second);
@@ -335,7 +336,8 @@ static inline rows_t level_sum(const rows_t w[8], const int8_t *x, int q8_0) {
 
 /* 256 Σ w q1 + Σ w q2 per row (at most 32 · 255 · 127 · 257: within int32). */
 static inline rows_t block_sum(const rows_t w[8], const int8_t *x1, const int8_t *x2, int32_t x_sum, int q8_0) {
-    const rows_t sum = RV(add_epi32)(RV(slli_epi32)(level_sum(w, x1, q8_0), 8), level_sum(w, x2, q8_0));
+    const rows_t first = RV(slli_epi32)(level_sum(w, x1, q8_0), SECOND_LEVEL_BITS);
+    const rows_t sum = RV(add_epi32)(first, level_sum(w, x2, q8_0));
 #if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
     return q8_0 ? _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x_sum)) : sum; /* Σ (w + 128) x − 128 Σ x */
 #else
