@@ -41,16 +41,18 @@ def block_matmul(tiles: bool):
 def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Random blocks of `kind` as the fp32-activation ops take them, and the float32 weights they stand for."""
     generator = torch.Generator().manual_seed(seed)
-    if kind in ("int4", "int5", "int4_groups"):  # our repacks of Q4_0/Q4_1 and Q5_1: w = d·q + m per 32; int4-q8's
-        q = torch.randint(0, 32 if kind == "int5" else 16, (rows, width), dtype=torch.uint8, generator=generator)
+    if kind in ("int4", "int5", "int4_groups", "int5_groups"):  # our repacks: w = d·q + m per 32 (Q4_0/Q4_1, Q5_1)
+        q = torch.randint(0, 32 if kind.startswith("int5") else 16, (rows, width), dtype=torch.uint8,
+                          generator=generator)
         d = (torch.rand(rows, width // 32, generator=generator) * 0.02).half().float()
         m = (-torch.rand(rows, width // 32, generator=generator) * 0.1).half().float()
         dense = d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
-        pack = {"int4": cpu.pack_q4, "int5": cpu.pack_q5_1, "int4_groups": cpu.pack_q4_rows}[kind]
+        pack = {"int4": cpu.pack_q4, "int5": cpu.pack_q5_1, "int4_groups": cpu.pack_q4_rows,
+                "int5_groups": cpu.pack_q5_rows}[kind]
         return pack(q, d, m), dense
-    if kind == "q8_0_groups":
-        blocks, dense = _blocks("q8_0", rows, width, seed)
-        return cpu.pack_q8_rows(blocks), dense
+    if kind in ("q8_0_groups", "q6_k_groups"):
+        blocks, dense = _blocks(kind.removesuffix("_groups"), rows, width, seed)
+        return (cpu.pack_q8_rows if kind == "q8_0_groups" else cpu.pack_q6_k_rows)(blocks), dense
     raw = random_blocks(GGUF_KINDS[kind], rows, width, np.random.default_rng(seed))
     dense = torch.from_numpy(quants.dequantize(raw, GGUF_KINDS[kind]).reshape(rows, width).astype(np.float32))
     block_bytes, block_inputs = cpu.BLOCK_BYTES[kind]
@@ -58,7 +60,7 @@ def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tens
 
 
 # and the int8-activation ops' row groups (int4-q8's prompt rows on bf16 hardware read them)
-KINDS = ["int4", "int5", *GGUF_KINDS, "int4_groups", "q8_0_groups"]
+KINDS = ["int4", "int5", *GGUF_KINDS, "int4_groups", "int5_groups", "q8_0_groups", "q6_k_groups"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -76,7 +78,7 @@ def test_each_kind_is_its_weights_rounded_to_bf16_summed_in_float32(kind, rows, 
     assert torch.equal(block_matmul_bf16(torch.eye(width), [(kind, blocks, rows)]).T, dense.bfloat16().float())
 
 
-@pytest.mark.parametrize("kind", ["int4", "q4_k", "q6_k", "int4_groups"])
+@pytest.mark.parametrize("kind", ["int4", "q4_k", "q6_k", "int4_groups", "int5_groups", "q6_k_groups"])
 def test_a_row_does_not_depend_on_the_batch(kind, tiles):
     block_matmul_bf16 = block_matmul(tiles)
     blocks, _ = _blocks(kind, 80, 768)

@@ -177,12 +177,14 @@ def _q8_activations(x: torch.Tensor):
     return codes, scales, scales * codes.sum(dim=-1, keepdim=True)
 
 
-def _q8_activation_reference(x: torch.Tensor, codes_w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None):
-    """Σ_b dw·(dx / 256)·(Σ code products) (+ mw·sx), in float64: the int8-activation ops' numerics up to float32
-    rounding of the scaled sums."""
+def _q8_activation_reference(x: torch.Tensor, codes_w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                             block: int = 32):
+    """Σ_b dw·(dx / 256)·(Σ code products) (+ mw·sx), weight scales d per `block` inputs (32, or Q6_K's 16), in
+    float64: the int8-activation ops' numerics up to float32 rounding of the scaled sums."""
     codes, scales, sums = (t.double() for t in _q8_activations(x))
-    products = torch.einsum("tbk,nbk->tnb", codes, codes_w.double().reshape(codes_w.shape[0], -1, 32))
-    y = (products * (scales[..., 0][:, None, :] * d.double()[None])).sum(-1)
+    codes = codes.reshape(x.shape[0], -1, block)
+    products = torch.einsum("tbk,nbk->tnb", codes, codes_w.double().reshape(codes_w.shape[0], -1, block))
+    y = (products * (scales[..., 0].repeat_interleave(32 // block, 1)[:, None, :] * d.double()[None])).sum(-1)
     return y if m is None else y + sums[..., 0] @ m.double().T
 
 
@@ -195,16 +197,17 @@ def _assert_within_the_second_levels_step(ours: torch.Tensor, x: torch.Tensor, d
     assert (error <= bound + 1e-5).all(), (error - bound).max()
 
 
+@pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("rows, width", [(4, 32), (7, 96), (960, 576), (577, 1536)])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 70])
-def test_q4_q8_matmul_is_q4_1_blocks_by_two_level_int8_activations(rows, width, tokens):
-    q = torch.randint(0, 16, (rows, width), dtype=torch.uint8)
+def test_q4_q8_and_q5_q8_matmuls_are_scale_min_blocks_by_two_level_int8_activations(bits, rows, width, tokens):
+    q = torch.randint(0, 1 << bits, (rows, width), dtype=torch.uint8)
     d, m = (torch.rand(rows, width // 32) * 0.02).half(), (-torch.rand(rows, width // 32) * 0.1).half()
-    packed = cpu.pack_q4_rows(q, d, m)
+    packed = (cpu.pack_q4_rows if bits == 4 else cpu.pack_q5_rows)(q, d, m)
     x = torch.randn(tokens, width)
     if width > 32:
         x[-1, -32:] = 0  # an all-zero block: dx = 0, codes 0
-    ours = cpu.q4_q8_matmul(x, packed, rows)
+    ours = (cpu.q4_q8_matmul if bits == 4 else cpu.q5_q8_matmul)(x, packed, rows)
     expected = _q8_activation_reference(x, q, d.float(), m.float())
     torch.testing.assert_close(ours.double(), expected, atol=1e-4, rtol=1e-4)
     dense = d.float().repeat_interleave(32, 1) * q + m.float().repeat_interleave(32, 1)
@@ -225,14 +228,33 @@ def test_q8_q8_matmul_is_q8_0_blocks_by_two_level_int8_activations(rows, width, 
     _assert_within_the_second_levels_step(ours, x, dense)
 
 
-@pytest.mark.parametrize("op", ["q4_q8_matmul", "q8_q8_matmul"])
+@pytest.mark.parametrize("rows, width", [(4, 256), (17, 512), (577, 1536)])
+@pytest.mark.parametrize("tokens", [1, 3, 5, 70])
+def test_q6_q8_matmul_is_q6_k_blocks_by_two_level_int8_activations(rows, width, tokens):
+    blocks, dense = _super_blocks(Type.Q6_K, rows, width)
+    packed = cpu.pack_q6_k_rows(blocks)
+    assert packed.shape == (-(-rows // 16), width // 32, cpu.Q6_GROUP_BYTES)
+    codes, d = super_blocks.q6_k_codes(blocks)  # w = d' · (q − 32) per 16 inputs
+    x = torch.randn(tokens, width)
+    x[-1, :32] = 0  # an all-zero block: dx = 0, codes 0
+    ours = cpu.q6_q8_matmul(x, packed, rows)
+    expected = _q8_activation_reference(x, codes, d, None, block=16)
+    torch.testing.assert_close(ours.double(), expected, atol=1e-4, rtol=1e-4)
+    _assert_within_the_second_levels_step(ours, x, dense)
+
+
+@pytest.mark.parametrize("op", ["q4_q8_matmul", "q5_q8_matmul", "q8_q8_matmul", "q6_q8_matmul"])
 def test_int8_activation_rows_do_not_depend_on_the_batch(op):
-    if op == "q4_q8_matmul":  # 131 rows: a last group of 3 real rows and 13 padding ones
-        q = torch.randint(0, 16, (131, 576), dtype=torch.uint8)
-        packed = cpu.pack_q4_rows(q, torch.rand(131, 18).half(), torch.rand(131, 18).half())
-    else:
+    width = 512 if op == "q6_q8_matmul" else 576
+    if op in ("q4_q8_matmul", "q5_q8_matmul"):  # 131 rows: a last group of 3 real rows and 13 padding ones
+        q = torch.randint(0, 16 if op == "q4_q8_matmul" else 32, (131, 576), dtype=torch.uint8)
+        pack = cpu.pack_q4_rows if op == "q4_q8_matmul" else cpu.pack_q5_rows
+        packed = pack(q, torch.rand(131, 18).half(), torch.rand(131, 18).half())
+    elif op == "q8_q8_matmul":
         packed = cpu.pack_q8_rows(cpu.pack_q8_exact(_q8(131, 576)))
-    x = torch.randn(37, 576)
+    else:
+        packed = cpu.pack_q6_k_rows(_super_blocks(Type.Q6_K, 131, 512)[0])
+    x = torch.randn(37, width)
     x[5] *= 50  # a loud token changes nothing for the others: each token's blocks have their own scales
     together = getattr(cpu, op)(x, packed, 131)
     for size in (1, 2, 3, 4, 5, 9):
@@ -245,10 +267,12 @@ def test_row_groups_are_packed_alike_in_any_number_of_steps(monkeypatch):
     bytes): the same bytes as in one step, a last partial group's padding rows included."""
     q = torch.randint(0, 16, (131, 96), dtype=torch.uint8)
     d, m = torch.rand(131, 3).half(), torch.rand(131, 3).half()
-    q8_blocks = cpu.pack_q8_exact(_q8(131, 96))
-    whole = cpu.pack_q4_rows(q, d, m), cpu.pack_q8_rows(q8_blocks)
+    q8_blocks, q6_k_blocks = cpu.pack_q8_exact(_q8(131, 96)), _super_blocks(Type.Q6_K, 131, 256)[0]
+    whole = (cpu.pack_q4_rows(q, d, m), cpu.pack_q8_rows(q8_blocks), cpu.pack_q6_k_rows(q6_k_blocks),
+             cpu.pack_q5_rows(q * 2, d, m))
     monkeypatch.setattr(cpu, "PACKED_ROWS", 32)
     assert torch.equal(cpu.pack_q4_rows(q, d, m), whole[0]) and torch.equal(cpu.pack_q8_rows(q8_blocks), whole[1])
+    assert torch.equal(cpu.pack_q6_k_rows(q6_k_blocks), whole[2]) and torch.equal(cpu.pack_q5_rows(q * 2, d, m), whole[3])
     assert whole[0].shape == (9, 3, cpu.Q4_GROUP_BYTES)
 
 

@@ -14,7 +14,7 @@ checkpoint:
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
 | int4 | the GGUF's own blocks: Q4_0, Q4_1 as int4 blocks (scale d, zero m per 32 weights, fp32), Q5_1 as int5 blocks (likewise), Q8_0, Q5_0, Q4_K, Q5_K and Q6_K as they are (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
-| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (Q4_K as int4 blocks; int4 blocks' d, m rounded to fp16: Q4_K's d·sc may not be one; Q5_0 as Q8_0); Q5_1, Q5_K, Q6_K as int4 runs them | each token's inputs per block of 32 to two levels of int8 codes, x ≈ dx·(q1 + q2/256) (q1 llama.cpp's Q8_1), exact integer sums per block | near-exact: inputs within absmax/32,500, the fp16 rounding of Q4_K's d·sc; logits closer to float32's than float16's | yes: a GGUF read as its blocks alone (untimed: it beats int4 at 1 and 32 streams on AVX2, AVX-512 and VNNI), else timed |
+| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (Q4_K as int4 blocks; Q5_0 as d·q − 16d, Q5_1 and Q5_K as int5 blocks; their d, m rounded to fp16: Q4_K's and Q5_K's d·sc may not be one; Q6_K's 6-bit codes and d·sc exactly, 7 bits a weight) | each token's inputs per block of 32 to two levels of int8 codes, x ≈ dx·(q1 + q2/256) (q1 llama.cpp's Q8_1), exact integer sums per block (Q6_K: per 16) | near-exact: inputs within absmax/32,500, the fp16 rounding of Q4_K's d·sc; logits closer to float32's than float16's | yes: a GGUF read as its blocks alone (untimed: it beats int4 at 1 and 32 streams on AVX2, AVX-512 and VNNI), else timed |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
@@ -22,7 +22,7 @@ auto considers only what keeps float32's greedy output on the accuracy test set 
 With int4 the LM head (or the tied embedding) runs on the GGUF's blocks of it through the CPU ops where the
 kernels cover its type (a Q4_K_M file's Q6_K head, a Q8_0 one; an older conversion's Q8_0 head is found by
 re-blocking the weight and checking it comes back to the bit), else as float16 (fp32 activations) or bf16 (bf16
-activations); int4-q8 runs a Q8_0 head with int8 activations too; with float16 and int8 it is in the same format
+activations); int4-q8 runs a Q8_0 or Q6_K head with int8 activations too; with float16 and int8 it is in the same format
 as the projections. A fused projection whose parts differ in kind (a Q4_K_M qkv: q, k Q4_K, v Q6_K) runs part by
 part. Every format computes each token's row on its own (per-token
 quantization, no batch-wide scales), so a request's output does not depend on what it is batched with."""
@@ -116,7 +116,7 @@ class Q4Weight(ScaleMinWeight):
 
 
 class Int5Weight(ScaleMinWeight):
-    """int5: codes in 0..31 (a GGUF's Q5_1 blocks)."""
+    """int5: codes in 0..31 (a GGUF's Q5_1 blocks; its Q5_0 and Q5_K ones for the integer kernels)."""
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,14 @@ class Q5Weight:
         return Q5Weight(torch.cat([p.blocks for p in parts]))
 
     def as_q8(self) -> Q8Weight:
-        """The same numbers as Q8_0 blocks (for the integer kernels, which have no Q5_0 form)."""
+        """The same numbers as Q8_0 blocks."""
         return Q8Weight(cpu_ops.pack_q5_as_q8(self.blocks))
+
+    def as_int5(self) -> Int5Weight:
+        """The same numbers as int5 blocks, d · q + m with m = −16 d (exact), for the integer kernels."""
+        d = self.blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]
+        codes = self.as_q8().blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 16
+        return Int5Weight(codes.to(torch.uint8).flatten(1), d, -16 * d)
 
     def dequantize(self) -> torch.Tensor:
         return self.as_q8().dequantize()
@@ -184,6 +190,11 @@ class SuperBlockWeight:
         """Q4_K's blocks of 32 as int4 blocks, the same numbers (for the kernels that take only those)."""
         assert self.kind == "q4_k"
         return Q4Weight(*super_blocks.q4_k_scale_min(self.blocks))
+
+    def as_int5(self) -> Int5Weight:
+        """Q5_K's blocks of 32 as int5 blocks, the same numbers (for the integer kernels)."""
+        assert self.kind == "q5_k"
+        return Int5Weight(*super_blocks.q5_k_scale_min(self.blocks))
 
     def dequantize(self) -> torch.Tensor:
         return super_blocks.DEQUANTIZE[self.kind](self.blocks)
@@ -354,18 +365,26 @@ class Q4Projection(Projection):
 
 
 class Int5Projection(Projection):
-    """int5 blocks (a GGUF's Q5_1: 7 bits a weight with the scales widened to fp32): the CPU ops' kernel
-    dequantizes w = d · q + m per block in registers and multiplies in fp32 (int4-q8 too: no integer kernel for
-    them yet)."""
+    """int5 blocks (a GGUF's Q5_1; with int8 activations its Q5_0 and Q5_K too): the CPU ops' kernel dequantizes
+    w = d · q + m per block in registers and multiplies in fp32 (7 bits a weight with the scales widened to fp32),
+    or sums each block's products of codes in integers over the blocks repacked in groups of rows (q5_q8_matmul; 6
+    bits a weight)."""
 
-    def __init__(self, weight: Int5Weight, bias: torch.Tensor | None):
+    def __init__(self, weight: Int5Weight, bias: torch.Tensor | None, int8_activations: bool):
         super().__init__(bias)
-        self.packed = cpu_ops.pack_q5_1(weight.q, weight.d, weight.m)
+        self.rows = weight.q.shape[0]
+        self.int8_activations = int8_activations
+        self.packed = (cpu_ops.pack_q5_rows if int8_activations else cpu_ops.pack_q5_1)(weight.q, weight.d, weight.m)
 
     def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        return [("int5", self.packed, self.packed.shape[0])]
+        return [("int5_groups" if self.int8_activations else "int5", self.packed, self.rows)]
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:  # (int8 activations: the groups of rows)
+        return None if self.bias is not None else [("int5", self.packed, self.rows)]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations:
+            return cpu_ops.q5_q8_matmul(x, self.packed, self.rows)
         return cpu_ops.q5_1_matmul(x, self.packed)
 
 
@@ -408,10 +427,28 @@ class Q5Projection(Projection):
         return cpu_ops.q5_matmul(x, self.blocks)
 
 
+class Q6Projection(Projection):
+    """Q6_K weights with int8 activations: the super-blocks repacked in groups of rows (pack_q6_k_rows: 7 bits a
+    weight, each 16's d' = d·sc exact), each 16 inputs' products of codes summed in integers (q6_q8_matmul)."""
+
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(bias)
+        self.rows = blocks.shape[0]
+        self.packed = cpu_ops.pack_q6_k_rows(blocks)
+
+    def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
+        return [("q6_k_groups", self.packed, self.rows)]
+
+    def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:  # (int8 activations: the groups of rows)
+        return None if self.bias is not None else [("q6_k", self.packed, self.rows)]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.q6_q8_matmul(x, self.packed, self.rows)
+
+
 class SuperBlockProjection(Projection):
     """Q4_K, Q5_K or Q6_K weights as the GGUF stores them (4.5, 5.5 and 6.56 bits a weight): the CPU ops' kernel
-    decodes a super-block's scales once per row, dequantizes its blocks in registers and multiplies in fp32 (Q5_K and
-    Q6_K with int4-q8 too: no integer kernel for them yet)."""
+    decodes a super-block's scales once per row, dequantizes its blocks in registers and multiplies in fp32."""
 
     def __init__(self, weight: SuperBlockWeight, bias: torch.Tensor | None):
         super().__init__(bias)
@@ -479,21 +516,24 @@ class Choice:
         if (isinstance(blocks, SuperBlockWeight) and blocks.kind == "q4_k"
                 and (self.int8_activations or self.kernel == "int4")):
             blocks = blocks.as_q4()
+        if self.int8_activations and (isinstance(blocks, Q5Weight)
+                                      or isinstance(blocks, SuperBlockWeight) and blocks.kind == "q5_k"):
+            blocks = blocks.as_int5()
         if self.blocks and not (isinstance(blocks, Q4Weight) or self.kernel == "cpu_ops" and blocks is not None):
             return self._dense_beside_blocks(weight, bias)
         bias = None if bias is None else bias.to(self.dtype)
         if self.kernel == "int4":
             return Int4Projection(blocks, bias, self.dtype)
-        if isinstance(blocks, Q5Weight) and self.int8_activations:
-            blocks = blocks.as_q8()
         if isinstance(blocks, Q8Weight):
             return Q8Projection(blocks.blocks, bias, self.int8_activations)
         if isinstance(blocks, Q5Weight):
             return Q5Projection(blocks.blocks, bias)
+        if isinstance(blocks, SuperBlockWeight) and blocks.kind == "q6_k" and self.int8_activations:
+            return Q6Projection(blocks.blocks, bias)
         if isinstance(blocks, SuperBlockWeight):
             return SuperBlockProjection(blocks, bias)
         if isinstance(blocks, Int5Weight):
-            return Int5Projection(blocks, bias)
+            return Int5Projection(blocks, bias, self.int8_activations)
         if self.kernel == "cpu_ops":
             return Q4Projection(blocks, bias, self.int8_activations)
         if self.kernel == "int8":

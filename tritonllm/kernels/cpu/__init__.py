@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tritonllm.kernels.cpu.super_blocks import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, SUPER_BLOCK
+from tritonllm.kernels.cpu.super_blocks import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, SUPER_BLOCK, q6_k_codes
 from tritonllm.kernels.decode_attention import paged_decode_attention_reference
 from tritonllm.kernels.kv_cache import store_kv_cache_reference
 from tritonllm.kernels.prefill_attention import prefill_attention_reference
@@ -40,7 +40,7 @@ QUANT_BLOCK = 32  # as in quant_matmul.c
 # blocks.h's bytes a block of 32 inputs (per row; its row groups' per group of GROUP_ROWS rows), and
 # a K-quant super-block's of SUPER_BLOCK (super_blocks.py)
 Q4_BYTES, Q5_1_BYTES, Q8_BYTES, Q5_BYTES = 24, 28, 34, 22
-Q4_GROUP_BYTES, Q8_GROUP_BYTES = 4 * 64 + 64, 8 * 64 + 32
+Q4_GROUP_BYTES, Q5_GROUP_BYTES, Q8_GROUP_BYTES, Q6_GROUP_BYTES = 4 * 64 + 64, 5 * 64 + 64, 8 * 64 + 32, 6 * 64 + 64
 X86_MACHINES = ("x86_64", "AMD64")  # the C ops are written with x86 intrinsics
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -55,6 +55,8 @@ SIGNATURES = {
     "dequantize_blocks": [_i64, _p, _i64, _i64, _p],
     "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q6_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q5_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
     "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p,
                                 _i64],
@@ -210,15 +212,15 @@ GROUP_ROWS = 16  # as in blocks.h: the int8-activation ops' weights in groups of
 
 def _row_groups(codes: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
     """Each row's code bytes [out, blocks · chunks · 4] (per block, chunk c holds the row's 4 bytes for inputs 4c ..
-    4c + 3) and per-block scales [out, blocks] → [groups of 16 rows, blocks, chunks · 64 + 32 per scale] uint8:
-    per group and block, each chunk as the group's 16 rows' 4 bytes side by side, then each scale's 16 fp16 values
-    (blocks.h's row groups)."""
-    rows, width = codes.shape[0], scales[0].shape[1] * QUANT_BLOCK
+    4c + 3) and per-block scales [out, blocks] (fp16, or int8 as they are) → [groups of 16 rows, blocks, chunks · 64
+    + 16 bytes per scale] uint8: per group and block, each chunk as the group's 16 rows' 4 bytes side by side, then
+    each scale's 16 values (blocks.h's row groups)."""
+    rows, blocks = scales[0].shape
     padding = -rows % GROUP_ROWS  # zero rows: their outputs are computed, never stored
-    groups, blocks = (rows + padding) // GROUP_ROWS, width // QUANT_BLOCK
+    groups = (rows + padding) // GROUP_ROWS
     codes = F.pad(codes, (0, 0, 0, padding)).view(groups, GROUP_ROWS, blocks, -1, 4).permute(0, 2, 3, 1, 4)
-    scales = [F.pad(t.to(torch.float16), (0, 0, 0, padding)).view(groups, GROUP_ROWS, blocks).transpose(1, 2)
-              .contiguous().view(torch.uint8) for t in scales]
+    scales = [F.pad(t if t.dtype == torch.int8 else t.to(torch.float16), (0, 0, 0, padding))
+              .view(groups, GROUP_ROWS, blocks).transpose(1, 2).contiguous().view(torch.uint8) for t in scales]
     return torch.cat([codes.reshape(groups, blocks, -1), *scales], dim=-1).contiguous()
 
 
@@ -235,6 +237,21 @@ def pack_q4_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Ten
     return _in_row_chunks(pack, q, d, m)
 
 
+def pack_q5_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """int5 codes q [out, in] (0..31) and scales d, zeros m [out, in / 32] → q5_q8_matmul's row groups: per block,
+    pack_q4_rows's chunks of the low 4 bits, a chunk whose bit c holds code chunk c's fifth bits, then d, m rounded
+    to fp16 (exact for Q5_0 and Q5_1, as pack_q4_rows's for Q5_K)."""
+    def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        rows, width = q.shape
+        codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
+        nibbles = (codes[:, :, 0] & 15) | ((codes[:, :, 1] & 15) << 4)
+        tops = (codes >> 4).view(rows, width // QUANT_BLOCK, 8, 4)  # [.., code chunk c, input]
+        fifths = sum(tops[:, :, c] << c for c in range(8)).to(torch.uint8)
+        return _row_groups(torch.cat([nibbles.reshape(rows, -1, 16), fifths], dim=-1).reshape(rows, -1), [d, m])
+
+    return _in_row_chunks(pack, q, d, m)
+
+
 def pack_q8_rows(blocks: torch.Tensor) -> torch.Tensor:
     """pack_q8_exact's Q8_0 blocks → q8_q8_matmul's row groups: per block, 8 chunks of codes + 128 (unsigned
     bytes, for vpdpbusd), then d."""
@@ -243,6 +260,26 @@ def pack_q8_rows(blocks: torch.Tensor) -> torch.Tensor:
         d = blocks[..., :2].contiguous().view(torch.float16).view(rows, count)
         codes = blocks[..., 2:].contiguous().view(torch.int8).view(torch.uint8) ^ 0x80  # + 128, as unsigned bytes
         return _row_groups(codes.reshape(rows, -1), [d])
+
+    return _in_row_chunks(pack, blocks)
+
+
+def pack_q6_k_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """A GGUF's Q6_K super-blocks [out, in / 256, 210] → q6_q8_matmul's row groups: per block of 32, its unsigned
+    6-bit codes q (w = d·sc·(q − 32)) as 4 chunks of low 4 bits (as pack_q4_rows's nibbles) and 2 chunks of high bit
+    pairs (chunk 4 + p, bits 2k: code chunk 4p + k's), then the int8 sc of inputs 0-15, of 16-31, and the fp16 d of
+    the block's super-block (its d' = d·sc exact, as Q6_K's)."""
+    def pack(blocks: torch.Tensor) -> torch.Tensor:
+        rows, count = blocks.shape[:2]
+        codes, _ = q6_k_codes(blocks)
+        q = (codes + 32).to(torch.uint8).view(rows, count * 8, 2, 4, 4)  # [.., half, chunk, input]
+        nibbles = (q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)
+        tops = (q >> 4).view(rows, count * 8, 2, 4, 4)  # [.., p, k, input]: code chunk 4p + k's
+        pairs = tops[:, :, :, 0] | (tops[:, :, :, 1] << 2) | (tops[:, :, :, 2] << 4) | (tops[:, :, :, 3] << 6)
+        sc = blocks[..., 192:208].contiguous().view(torch.int8).view(rows, count * 8, 2)
+        d = blocks[..., 208:210].contiguous().view(torch.float16).expand(rows, count, 8).reshape(rows, count * 8)
+        return _row_groups(torch.cat([nibbles.reshape(rows, -1, 16), pairs.reshape(rows, -1, 8)], dim=-1)
+                           .reshape(rows, -1), [sc[..., 0], sc[..., 1], d])
 
     return _in_row_chunks(pack, blocks)
 
@@ -337,14 +374,15 @@ def q6_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 # blocks.h's enum: what a projection's blocks are
 BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6, "int4_groups": 7,
-               "q8_0_groups": 8}
+               "q8_0_groups": 8, "q6_k_groups": 9, "int5_groups": 10}
 BF16_TOKENS = 32  # block_matmul_bf16.c's tokens a step (AMX_TOKENS)
 BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK), "q8_0": (Q8_BYTES, QUANT_BLOCK),
                "q5_0": (Q5_BYTES, QUANT_BLOCK), "q4_k": (Q4_K_BYTES, SUPER_BLOCK), "q5_k": (Q5_K_BYTES, SUPER_BLOCK),
                "q6_k": (Q6_K_BYTES, SUPER_BLOCK)}
 """A kind of blocks as the fp32-activation ops read them: (bytes, inputs) a (super-)block."""
-ROW_GROUP_BYTES = {"int4_groups": Q4_GROUP_BYTES, "q8_0_groups": Q8_GROUP_BYTES}
-"""The int8-activation ops' row groups (pack_q4_rows, pack_q8_rows) as block_matmul_bf16 reads them: bytes a
+ROW_GROUP_BYTES = {"int4_groups": Q4_GROUP_BYTES, "int5_groups": Q5_GROUP_BYTES, "q8_0_groups": Q8_GROUP_BYTES,
+                   "q6_k_groups": Q6_GROUP_BYTES}
+"""The int8-activation ops' row groups (pack_q4_rows, pack_q5_rows, pack_q8_rows, pack_q6_k_rows) as block_matmul_bf16 reads them: bytes a
 block of 32 inputs of GROUP_ROWS rows."""
 
 
@@ -409,9 +447,20 @@ def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tens
     return _block_matmul(_library.q4_q8_matmul, x, packed, rows, Q4_GROUP_BYTES, GROUP_ROWS)
 
 
+def q5_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """As q4_q8_matmul over pack_q5_rows's weights (5-bit codes)."""
+    return _block_matmul(_library.q5_q8_matmul, x, packed, rows, Q5_GROUP_BYTES, GROUP_ROWS)
+
+
 def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     """As q4_q8_matmul over pack_q8_rows's weights (Σ_b dw·dx·Σ code products)."""
     return _block_matmul(_library.q8_q8_matmul, x, packed, rows, Q8_GROUP_BYTES, GROUP_ROWS)
+
+
+def q6_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """As q4_q8_matmul over pack_q6_k_rows's weights: Σ per 16 inputs d'·(dx / 256)·(Σ q·code − 32 Σ code), q the
+    unsigned 6-bit weight codes, code = 256 q1 + q2."""
+    return _block_matmul(_library.q6_q8_matmul, x, packed, rows, Q6_GROUP_BYTES, GROUP_ROWS)
 
 
 def sample_tokens(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,
@@ -608,8 +657,8 @@ def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_head
                  int8_activations: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a dense decoder over one-token queries: the embeddings [tokens, hidden] → (the last MLP's
     output, the residual stream before it), as the layers op by op would give them. half_cache: the layers' KV
-    caches are float16 (else float32); int8_activations: the int4 and Q8_0 parts are q4_q8_matmul's and
-    q8_q8_matmul's (else q4_matmul's and q8_matmul's)."""
+    caches are float16 (else float32); int8_activations: the int4, int5, Q8_0 and Q6_K parts are q4_q8_matmul's,
+    q5_q8_matmul's, q8_q8_matmul's and q6_q8_matmul's (else the fp32-activation ops of their kinds)."""
     tokens = hidden.shape[0]
     _checked(hidden, "hidden", torch.float32, (tokens, None))
     for name, tensor in (("cos", cos), ("sin", sin)):

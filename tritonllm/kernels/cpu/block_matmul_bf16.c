@@ -90,6 +90,27 @@ static void int4_groups_operands(const uint8_t *group, int64_t row_bytes, int64_
     }
 }
 
+static void int5_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
+                                 int64_t stride) {
+    (void)row_bytes;
+    const __m512i nibble = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * Q5_GROUP_BYTES;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 5 * GROUP_CHUNK)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 5 * GROUP_CHUNK + 32)));
+        const __m512i fifths = _mm512_loadu_si512(block + 4 * GROUP_CHUNK);
+        for (int c = 0; c < 8; c++) { /* inputs 4c + i: the low 4 bits from chunk c % 4, the fifth bit c */
+            const __m512i both = _mm512_loadu_si512(block + (c % 4) * GROUP_CHUNK);
+            const __m512i low = _mm512_and_si512(c < 4 ? both : _mm512_srli_epi32(both, 4), nibble);
+            const __m512i fifth = _mm512_and_si512(_mm512_srli_epi32(fifths, c), one);
+            const __m512i codes = _mm512_or_si512(low, _mm512_slli_epi32(fifth, 4));
+            for (int i = 0; i < 4; i += 2) /* w = d q + m: pairs 2c, 2c + 1 */
+                store_pair(operands + b * stride + 32 * (2 * c + i / 2), _mm512_fmadd_ps(code_of_lanes(codes, i), d, m),
+                           _mm512_fmadd_ps(code_of_lanes(codes, i + 1), d, m));
+        }
+    }
+}
+
 static void q8_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
                                int64_t stride) {
     (void)row_bytes;
@@ -107,6 +128,31 @@ static void q8_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t 
     }
 }
 
+static void q6_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
+                               int64_t stride) {
+    (void)row_bytes;
+    const __m512i nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3);
+    const __m512 offset = _mm512_set1_ps(32.0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * Q6_GROUP_BYTES, *sc = block + 6 * GROUP_CHUNK;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
+        const __m512 scales[2] = { /* d' = d·sc, exact */
+            _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)))),
+            _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16)))))};
+        for (int c = 0; c < 8; c++) { /* inputs 4c + i: the low 4 bits from chunk c % 4, the top 2 from 4 + c / 4 */
+            const __m512i both = _mm512_loadu_si512(block + (c % 4) * GROUP_CHUNK);
+            const __m512i low = _mm512_and_si512(c < 4 ? both : _mm512_srli_epi32(both, 4), nibble);
+            const __m512i pairs = _mm512_loadu_si512(block + (4 + c / 4) * GROUP_CHUNK);
+            const __m512i top = _mm512_and_si512(_mm512_srli_epi32(pairs, 2 * (c % 4)), pair);
+            const __m512i codes = _mm512_or_si512(low, _mm512_slli_epi32(top, 4));
+            for (int i = 0; i < 4; i += 2) /* w = d' (q − 32): pairs 2c, 2c + 1 */
+                store_pair(operands + b * stride + 32 * (2 * c + i / 2),
+                           _mm512_mul_ps(_mm512_sub_ps(code_of_lanes(codes, i), offset), scales[c / 4]),
+                           _mm512_mul_ps(_mm512_sub_ps(code_of_lanes(codes, i + 1), offset), scales[c / 4]));
+        }
+    }
+}
+
 /* A kind's right operands, and its bytes a row of `blocks` blocks of 32 inputs (row groups: a group's over 16, so
  * that row n0, a multiple of 16, is its group's start); NULL for no kind of blocks.h's. */
 static RightOperands right_operands(int64_t kind, int64_t blocks, int64_t *row_bytes) {
@@ -116,6 +162,8 @@ static RightOperands right_operands(int64_t kind, int64_t blocks, int64_t *row_b
         BLOCK_FORMATS(KIND_CASE)
     case INT4_ROW_GROUPS: *row_bytes = blocks * Q4_GROUP_BYTES / GROUP_ROWS; return int4_groups_operands;
     case Q8_ROW_GROUPS: *row_bytes = blocks * Q8_GROUP_BYTES / GROUP_ROWS; return q8_groups_operands;
+    case Q6_ROW_GROUPS: *row_bytes = blocks * Q6_GROUP_BYTES / GROUP_ROWS; return q6_groups_operands;
+    case INT5_ROW_GROUPS: *row_bytes = blocks * Q5_GROUP_BYTES / GROUP_ROWS; return int5_groups_operands;
     default: return NULL;
     }
 }

@@ -10,7 +10,7 @@
 
 /* kernels/cpu/__init__.py's BLOCK_KINDS: what a projection's blocks are */
 enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLOCKS, Q5_K_BLOCKS, INT4_ROW_GROUPS,
-       Q8_ROW_GROUPS };
+       Q8_ROW_GROUPS, Q6_ROW_GROUPS, INT5_ROW_GROUPS };
 
 /* The int8-activation ops' layout (quant_matmul.c; the bf16 prompt rows read it too): rows in groups of 16, per
  * group and block of 32 inputs its codes as chunks of 64 bytes (chunk c, byte 4r + i: row r's code for input 4c + i;
@@ -19,6 +19,13 @@ enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLO
 #define GROUP_CHUNK 64                          /* bytes: 4 codes of each of a group's rows */
 #define Q4_GROUP_BYTES (4 * GROUP_CHUNK + 64)   /* per block: 32 nibbles a row in 4 chunks, 16 d, 16 m */
 #define Q8_GROUP_BYTES (8 * GROUP_CHUNK + 32)   /* per block: 32 codes + 128 a row (as u8) in 8 chunks, 16 d */
+/* Q6_K's: its 6-bit codes q (w = d·sc·(q − 32)) as int4's chunks of low 4 bits, then 2 chunks of high bit pairs
+ * (chunk 4 + p, bits 2k: those of code chunk 4p + k), then the 16 rows' int8 sc of inputs 0-15, of 16-31, and their
+ * super-block's fp16 d: 7 bits a weight, d' = d·sc exact as Q6_K's */
+#define Q6_GROUP_BYTES (6 * GROUP_CHUNK + 64)
+/* int5's (a GGUF's Q5_1, Q5_K, and Q5_0 as d·q − 16d): int4's chunks of low 4 bits, a chunk of fifth bits (bit c:
+ * code chunk c's), 16 d, 16 m: 6 bits a weight */
+#define Q5_GROUP_BYTES (5 * GROUP_CHUNK + 64)
 
 #define QUANT_BLOCK 32
 #define Q4_1_BYTES 24 /* fp32 d, fp32 m (the GGUF's fp16, widened at load: each a broadcast from memory, where

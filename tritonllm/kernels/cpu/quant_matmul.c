@@ -176,9 +176,11 @@ int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64
  * the rounding left over to second codes q2 = round(256 (x / dx - q1)), |q2| <= 127: x = dx (q1 + q2 / 256) to
  * within dx / 256 (absmax / 32,500; one level alone leaves absmax / 254). A block's products of weight and input
  * codes are summed exactly in integers, 256 Σ w q1 + Σ w q2, then y += (dw · dx / 256) · Σ + mw · sx per block, in
- * block order, in fp32, with sx = dx / 256 · (256 Σ q1 + Σ q2) (Q8_0 has no mw).
+ * block order, in fp32, with sx = dx / 256 · (256 Σ q1 + Σ q2) (Q8_0 has no mw; Q6_K sums each 16 apart, its
+ * unsigned codes' 32 Σ x taken back, and scales each by its own d').
  *
- * The weights are repacked at load into groups of 16 rows (pack_q4_rows / pack_q8_rows; blocks.h's row groups).
+ * The weights are repacked at load into groups of 16 rows (pack_q4_rows, pack_q5_rows, pack_q8_rows,
+ * pack_q6_k_rows; blocks.h's row groups).
  * One vector then holds 4 inputs of every row of a group (16 rows with AVX-512, 8 with AVX2), so one broadcast of
  * 4 input codes meets them all: a block is 16 multiply-adds of 4 code pairs per lane (vpdpbusd with AVX512-VNNI;
  * pairs to int16, then to int32, without), no horizontal sums, and one scale vector for all the group's rows.
@@ -188,10 +190,10 @@ int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64
 #define SECOND_LEVEL (1 << SECOND_LEVEL_BITS)
 
 typedef struct { /* a step's activations, quantized: [T][K] codes of each level, and per [T][K / 32] block
-                  * dx / 256 and 256 Σ q1 + Σ q2 */
+                  * dx / 256 and 256 Σ q1 + Σ q2, over its 32 inputs and over its first 16 (Q6_K's scales' span) */
     int8_t *q1, *q2;
     float *d;
-    int32_t *sum;
+    int32_t *sum, *first_half;
 } Q8Activations;
 
 /* 8 int32 codes (each within int8) of a vector to bytes, 32 codes in order from four vectors: the saturating packs
@@ -210,7 +212,8 @@ static inline int32_t sum_lanes(__m256i v) {
 }
 
 /* One token's K inputs (K a multiple of 32) as codes of both levels, scales and sums of codes. */
-static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float *d, int32_t *sum) {
+static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float *d, int32_t *sum,
+                        int32_t *first_half) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     /* q2 within ±127 (256 · 0.5 rounds to 128): a sign flip of -128 (the AVX2 Q8_0 path's) would overflow */
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
@@ -233,6 +236,7 @@ static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float
                 _mm256_cvtps_epi32(_mm256_mul_ps(left, _mm256_set1_ps((float)SECOND_LEVEL))), top), bottom);
             total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(first[i], SECOND_LEVEL_BITS),
                                                              second[i]));
+            if (i == 1) first_half[b] = sum_lanes(total);
         }
         store_codes(q1 + b * QUANT_BLOCK, first);
         store_codes(q2 + b * QUANT_BLOCK, second);
@@ -244,11 +248,13 @@ static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float
 static Q8Activations quantize_rows(const float *x, int64_t T, int64_t K) {
     const int64_t blocks = K / QUANT_BLOCK;
     const size_t code_bytes = (size_t)((T * K + 63) / 64 * 64);
-    const Q8Activations a = {aligned_alloc(64, code_bytes), aligned_alloc(64, code_bytes),
-                             malloc((size_t)(T * blocks * 4)), malloc((size_t)(T * blocks * 4))};
+    const size_t per_block = (size_t)(T * blocks * 4);
+    const Q8Activations a = {aligned_alloc(64, code_bytes), aligned_alloc(64, code_bytes), malloc(per_block),
+                             malloc(per_block), malloc(per_block)};
 #pragma omp parallel for schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++)
-        quantize_q8(x + t * K, K, a.q1 + t * K, a.q2 + t * K, a.d + t * blocks, a.sum + t * blocks);
+        quantize_q8(x + t * K, K, a.q1 + t * K, a.q2 + t * K, a.d + t * blocks, a.sum + t * blocks,
+                    a.first_half + t * blocks);
     return a;
 }
 
@@ -257,6 +263,7 @@ static void free_activations(Q8Activations a) {
     free(a.q2);
     free(a.d);
     free(a.sum);
+    free(a.first_half);
 }
 
 /* A vector of a group's rows: lanes of 4 codes (rows_t), of int32 sums or of floats (sums_t), one lane a row;
@@ -289,39 +296,99 @@ static inline sums_t row_scales(const uint8_t *p) {
 }
 #define GROUP_VECTORS (GROUP_ROWS / VECTOR_ROWS)
 
-/* A block's 8 vectors of codes for one vector of rows (`codes`: the group's block, advanced to that vector). */
-static inline void q4_1_rows(const uint8_t *codes, rows_t w[8]) {
+/* Each format's row groups, for one vector of rows (`codes`: the group's block, advanced to that vector): its 8
+ * vectors of codes (FORMAT_rows: chunk c, inputs 4c .. 4c + 3), its scales (FORMAT_scales) and what one token's
+ * block adds to the rows' sums (FORMAT_token). */
+typedef struct {
+    sums_t first, second; /* int4: d, m; Q8_0: d; Q6_K: d' of inputs 0-15, of 16-31 */
+} RowScales;
+
+/* How a format's weight codes meet the input codes (level_sum): unsigned nibbles, Q8_0's codes + 128, unsigned
+ * codes of 5 or 6 bits */
+enum { NIBBLE_CODES, Q8_0_CODES, WIDE_CODES };
+
+static inline void q4_groups_rows(const uint8_t *codes, rows_t w[8]) {
     for (int c = 0; c < 4; c++) {
         const rows_t both = load_rows(codes + c * GROUP_CHUNK);
         w[c] = low_nibbles(both);
         w[4 + c] = high_nibbles(both); /* inputs 16 + 4c .. 16 + 4c + 3 */
     }
 }
-static inline void q8_0_rows(const uint8_t *codes, rows_t w[8]) {
+static inline void q8_groups_rows(const uint8_t *codes, rows_t w[8]) {
     for (int c = 0; c < 8; c++) w[c] = load_rows(codes + c * GROUP_CHUNK);
 }
+static inline void q5_groups_rows(const uint8_t *codes, rows_t w[8]) {
+    q4_groups_rows(codes, w);
+    const rows_t fifths = load_rows(codes + 4 * GROUP_CHUNK), fifth = RV(set1_epi8)(0x10);
+    for (int c = 0; c < 8; c++) { /* code chunk c's fifth bits are bits c: to bit 4 of each byte */
+        const rows_t at_four = c < 4 ? RV(slli_epi16)(fifths, 4 - c) : RV(srli_epi16)(fifths, c - 4);
+        w[c] = RV_SI(or)(w[c], RV_SI(and)(at_four, fifth));
+    }
+}
+static inline void q6_groups_rows(const uint8_t *codes, rows_t w[8]) {
+    q4_groups_rows(codes, w);
+    for (int p = 0; p < 2; p++) {
+        const rows_t pairs = load_rows(codes + (4 + p) * GROUP_CHUNK), top = RV(set1_epi8)(0x30);
+        /* code chunk 4p + k's pairs are bits 2k: to bits 4-5 of each byte (a 16-bit shift, then the mask) */
+        const rows_t at_top[4] = {RV(slli_epi16)(pairs, 4), RV(slli_epi16)(pairs, 2), pairs, RV(srli_epi16)(pairs, 2)};
+        for (int k = 0; k < 4; k++) w[4 * p + k] = RV_SI(or)(w[4 * p + k], RV_SI(and)(at_top[k], top));
+    }
+}
 
-/* Per row, the block's 32 products of its weight codes w (0..15, or a Q8_0 code + 128) and one level of one token's
- * input codes x, summed exactly. */
-static inline rows_t level_sum(const rows_t w[8], const int8_t *x, int q8_0) {
+static inline RowScales q4_groups_scales(const uint8_t *block, int64_t half) {
+    const uint8_t *scales = block + 4 * GROUP_CHUNK + half * VECTOR_ROWS * 2;
+    return (RowScales){row_scales(scales), row_scales(scales + 32)};
+}
+static inline RowScales q5_groups_scales(const uint8_t *block, int64_t half) {
+    const uint8_t *scales = block + 5 * GROUP_CHUNK + half * VECTOR_ROWS * 2;
+    return (RowScales){row_scales(scales), row_scales(scales + 32)};
+}
+static inline RowScales q8_groups_scales(const uint8_t *block, int64_t half) {
+    const sums_t d = row_scales(block + 8 * GROUP_CHUNK + half * VECTOR_ROWS * 2);
+    return (RowScales){d, d};
+}
+static inline sums_t int8_scales(const uint8_t *p) { /* VECTOR_ROWS int8 as floats */
+#if VECTOR_ROWS == 16
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+static inline RowScales q6_groups_scales(const uint8_t *block, int64_t half) {
+    const uint8_t *sc = block + 6 * GROUP_CHUNK + half * VECTOR_ROWS;
+    const sums_t d = row_scales(block + 6 * GROUP_CHUNK + 32 + half * VECTOR_ROWS * 2);
+    return (RowScales){RV(mul_ps)(d, int8_scales(sc)), RV(mul_ps)(d, int8_scales(sc + GROUP_ROWS))}; /* exact */
+}
+
+/* Per row, the products of CHUNKS chunks of weight codes w and one level of one token's input codes x, summed
+ * exactly. */
+static inline rows_t level_sum(const rows_t *w, int chunks, const int8_t *x, int codes) {
 #if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
-    (void)q8_0;
+    (void)codes;
     rows_t even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains: dpbusd's latency */
-    for (int j = 0; j < 8; j += 2) {
+    for (int j = 0; j < chunks; j += 2) {
         even = _mm512_dpbusd_epi32(even, w[j], four_codes(x + 4 * j));
         odd = _mm512_dpbusd_epi32(odd, w[j + 1], four_codes(x + 4 * j + 4));
     }
     return _mm512_add_epi32(even, odd); /* Q8_0: Σ (w + 128) x; block_sum takes the 128 Σ x back */
 #else
     const rows_t ones = RV(set1_epi16)(1);
-    if (!q8_0) { /* u4 x s8 pairs are at most 3840: 8 of them still fit int16 */
+    if (codes == NIBBLE_CODES) { /* u4 x s8 pairs are at most 3840: 8 of them still fit int16 */
         rows_t pairs = RV(maddubs_epi16)(w[0], four_codes(x));
-        for (int j = 1; j < 8; j++) pairs = RV(add_epi16)(pairs, RV(maddubs_epi16)(w[j], four_codes(x + 4 * j)));
+        for (int j = 1; j < chunks; j++) pairs = RV(add_epi16)(pairs, RV(maddubs_epi16)(w[j], four_codes(x + 4 * j)));
         return RV(madd_epi16)(pairs, ones);
     }
-    /* Q8_0: signed weights again; their magnitudes against x with their signs (maddubs takes u8 x s8) */
     rows_t sum = RV_SI(setzero)();
-    for (int j = 0; j < 8; j++) {
+    if (codes == WIDE_CODES) { /* u5, u6 x s8 pairs are at most 16002: 2 of them fit int16 */
+        for (int j = 0; j < chunks; j += 2) {
+            const rows_t pairs = RV(add_epi16)(RV(maddubs_epi16)(w[j], four_codes(x + 4 * j)),
+                                               RV(maddubs_epi16)(w[j + 1], four_codes(x + 4 * j + 4)));
+            sum = RV(add_epi32)(sum, RV(madd_epi16)(pairs, ones));
+        }
+        return sum;
+    }
+    /* Q8_0: signed weights again; their magnitudes against x with their signs (maddubs takes u8 x s8) */
+    for (int j = 0; j < chunks; j++) {
         const rows_t signed_w = RV_SI(xor)(w[j], RV(set1_epi8)(-128)), x4 = four_codes(x + 4 * j);
 #if VECTOR_ROWS == 16
         const rows_t signed_x = _mm512_mask_sub_epi8(x4, _mm512_movepi8_mask(signed_w), _mm512_setzero_si512(), x4);
@@ -334,22 +401,51 @@ static inline rows_t level_sum(const rows_t w[8], const int8_t *x, int q8_0) {
 #endif
 }
 
-/* 256 Σ w q1 + Σ w q2 per row (at most 32 · 255 · 127 · 257: within int32). */
-static inline rows_t block_sum(const rows_t w[8], const int8_t *x1, const int8_t *x2, int32_t x_sum, int q8_0) {
-    const rows_t first = RV(slli_epi32)(level_sum(w, x1, q8_0), SECOND_LEVEL_BITS);
-    const rows_t sum = RV(add_epi32)(first, level_sum(w, x2, q8_0));
-#if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
-    return q8_0 ? _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x_sum)) : sum; /* Σ (w + 128) x − 128 Σ x */
-#else
-    (void)x_sum;
-    return sum;
-#endif
+/* 256 Σ w q1 + Σ w q2 per row over CHUNKS chunks (int4, int5, Q8_0: at most 32 · 255 · 127 · 257; Q6_K: 16 · 63 ·
+ * 127 · 257, 32 Σ x back: within int32). */
+static inline rows_t two_level_sum(const rows_t *w, int chunks, const int8_t *x1, const int8_t *x2, int codes) {
+    const rows_t first = RV(slli_epi32)(level_sum(w, chunks, x1, codes), SECOND_LEVEL_BITS);
+    return RV(add_epi32)(first, level_sum(w, chunks, x2, codes));
 }
 
-/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row] = Σ_b dw (dx / 256) Σ + mw sx. */
+/* One token's block of 32: acc + (d dx / 256) Σ + m sx (sx = dx / 256 · Σ x). */
+static inline sums_t scale_min_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
+                                     int codes) {
+    const rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, codes);
+    acc = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(s.first, RV(set1_ps)(x.d[at])), acc);
+    return RV(fmadd_ps)(s.second, RV(set1_ps)(x.d[at] * (float)x.sum[at]), acc);
+}
+static inline sums_t q4_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
+    return scale_min_token(w, s, x, at, acc, NIBBLE_CODES);
+}
+static inline sums_t q5_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
+    return scale_min_token(w, s, x, at, acc, WIDE_CODES);
+}
+/* acc + (d dx / 256) Σ */
+static inline sums_t q8_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
+    rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, Q8_0_CODES);
+#if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
+    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x.sum[at])); /* Σ (w + 128) x − 128 Σ x */
+#endif
+    return RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(s.first, RV(set1_ps)(x.d[at])), acc);
+}
+/* acc + Σ over the block's two 16s of (d' dx / 256) (Σ q x − 32 Σ x), q the unsigned 6-bit code */
+static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
+    const int8_t *x1 = x.q1 + at * QUANT_BLOCK, *x2 = x.q2 + at * QUANT_BLOCK;
+    const int32_t x_sums[2] = {x.first_half[at], x.sum[at] - x.first_half[at]};
+    const sums_t scales[2] = {s.first, s.second};
+    for (int h = 0; h < 2; h++) {
+        const rows_t sum = RV(sub_epi32)(two_level_sum(w + 4 * h, 4, x1 + 16 * h, x2 + 16 * h, WIDE_CODES),
+                                         RV(set1_epi32)(32 * x_sums[h]));
+        acc = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(scales[h], RV(set1_ps)(x.d[at])), acc);
+    }
+    return acc;
+}
+
+/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row], block by block (FORMAT_token). */
 #define ROWS_TILE_(NAME, VECTORS, TOKENS) NAME##_rows_##VECTORS##x##TOKENS
 #define ROWS_TILE(NAME, VECTORS, TOKENS) ROWS_TILE_(NAME, VECTORS, TOKENS)
-#define ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, VECTORS, TOKENS)                                   \
+#define ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, VECTORS, TOKENS)                                            \
     static inline void ROWS_TILE(NAME, VECTORS, TOKENS)(const uint8_t *weights, int64_t blocks, Q8Activations x, \
                                                         int64_t K, int64_t v0, int64_t t0, float *y, int64_t N) { \
         const uint8_t *weights_end = weights + (N + GROUP_ROWS - 1) / GROUP_ROWS * blocks * (GROUP_BYTES);      \
@@ -363,17 +459,9 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x1, const int8_t
                 if (half == 0) prefetch_lines(block + PREFETCH_AHEAD, GROUP_BYTES, weights_end);                \
                 rows_t w[8];                                                                                    \
                 FORMAT##_rows(block + half * VECTOR_ROWS * 4, w);                                               \
-                const uint8_t *scales = block + (GROUP_BYTES) - (HAS_MIN ? 64 : 32) + half * VECTOR_ROWS * 2;   \
-                const sums_t dw = row_scales(scales), mw = HAS_MIN ? row_scales(scales + 32) : dw;              \
-                for (int t = 0; t < TOKENS; t++) {                                                              \
-                    const int64_t at = (t0 + t) * blocks + b;                                                   \
-                    const int8_t *x1 = x.q1 + at * QUANT_BLOCK, *x2 = x.q2 + at * QUANT_BLOCK;                  \
-                    const rows_t sum = block_sum(w, x1, x2, x.sum[at], !(HAS_MIN));                             \
-                    const sums_t scale = RV(mul_ps)(dw, RV(set1_ps)(x.d[at]));                                  \
-                    acc[v][t] = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), scale, acc[v][t]);                           \
-                    if (HAS_MIN) /* sx = dx / 256 · Σ */                                                        \
-                        acc[v][t] = RV(fmadd_ps)(mw, RV(set1_ps)(x.d[at] * (float)x.sum[at]), acc[v][t]);       \
-                }                                                                                               \
+                const RowScales scales = FORMAT##_scales(block, half);                                          \
+                for (int t = 0; t < TOKENS; t++)                                                                \
+                    acc[v][t] = FORMAT##_token(w, scales, x, (t0 + t) * blocks + b, acc[v][t]);                 \
             }                                                                                                   \
         }                                                                                                       \
         for (int v = 0; v < VECTORS; v++) {                                                                     \
@@ -394,11 +482,11 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x1, const int8_t
 #define ROWS_TOKEN_TILE 4
 
 /* NAME(x, T, K, weights, N, y) as the fp32-activation ops above, with x quantized per token first and the weights
- * in row groups (pack_q4_rows, pack_q8_rows). */
-#define ROWS_MATMUL(NAME, FORMAT, GROUP_BYTES, HAS_MIN)                                                         \
-    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, ONE_TOKEN_VECTORS, 1)                                  \
-    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, 1, ROWS_TOKEN_TILE)                                    \
-    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, HAS_MIN, 1, 1)                                                  \
+ * in row groups (pack_q4_rows, pack_q5_rows, pack_q8_rows, pack_q6_k_rows). */
+#define ROWS_MATMUL(NAME, FORMAT, GROUP_BYTES)                                                                  \
+    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, ONE_TOKEN_VECTORS, 1)                                           \
+    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, 1, ROWS_TOKEN_TILE)                                             \
+    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, 1, 1)                                                           \
     void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {              \
         const int64_t blocks = K / QUANT_BLOCK;                                                                 \
         const int64_t vectors = (N + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_VECTORS;                              \
@@ -427,5 +515,7 @@ static inline rows_t block_sum(const rows_t w[8], const int8_t *x1, const int8_t
         free_activations(a);                                                                                    \
     }
 
-ROWS_MATMUL(q4_q8_matmul, q4_1, Q4_GROUP_BYTES, 1)
-ROWS_MATMUL(q8_q8_matmul, q8_0, Q8_GROUP_BYTES, 0)
+ROWS_MATMUL(q4_q8_matmul, q4_groups, Q4_GROUP_BYTES)
+ROWS_MATMUL(q8_q8_matmul, q8_groups, Q8_GROUP_BYTES)
+ROWS_MATMUL(q6_q8_matmul, q6_groups, Q6_GROUP_BYTES)
+ROWS_MATMUL(q5_q8_matmul, q5_groups, Q5_GROUP_BYTES)
