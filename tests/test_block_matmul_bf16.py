@@ -50,9 +50,10 @@ def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tens
         pack = {"int4": cpu.pack_q4, "int5": cpu.pack_q5_1, "int4_groups": cpu.pack_q4_rows,
                 "int5_groups": cpu.pack_q5_rows}[kind]
         return pack(q, d, m), dense
-    if kind in ("q8_0_groups", "q6_k_groups"):
+    if kind in ("q8_0_groups", "q6_k_groups", "q4_k_groups"):
         blocks, dense = _blocks(kind.removesuffix("_groups"), rows, width, seed)
-        return (cpu.pack_q8_rows if kind == "q8_0_groups" else cpu.pack_q6_k_rows)(blocks), dense
+        pack = {"q8_0_groups": cpu.pack_q8_rows, "q6_k_groups": cpu.pack_q6_k_rows, "q4_k_groups": cpu.pack_q4_k_rows}
+        return pack[kind](blocks), dense
     raw = random_blocks(GGUF_KINDS[kind], rows, width, np.random.default_rng(seed))
     dense = torch.from_numpy(quants.dequantize(raw, GGUF_KINDS[kind]).reshape(rows, width).astype(np.float32))
     block_bytes, block_inputs = cpu.BLOCK_BYTES[kind]
@@ -60,7 +61,7 @@ def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tens
 
 
 # and the int8-activation ops' row groups (int4-q8's prompt rows on bf16 hardware read them)
-KINDS = ["int4", "int5", *GGUF_KINDS, "int4_groups", "int5_groups", "q8_0_groups", "q6_k_groups"]
+KINDS = ["int4", "int5", *GGUF_KINDS, "int4_groups", "int5_groups", "q8_0_groups", "q6_k_groups", "q4_k_groups"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -78,7 +79,7 @@ def test_each_kind_is_its_weights_rounded_to_bf16_summed_in_float32(kind, rows, 
     assert torch.equal(block_matmul_bf16(torch.eye(width), [(kind, blocks, rows)]).T, dense.bfloat16().float())
 
 
-@pytest.mark.parametrize("kind", ["int4", "q4_k", "q6_k", "int4_groups", "int5_groups", "q6_k_groups"])
+@pytest.mark.parametrize("kind", ["int4", "q4_k", "q6_k", "int4_groups", "int5_groups", "q6_k_groups", "q4_k_groups"])
 def test_a_row_does_not_depend_on_the_batch(kind, tiles):
     block_matmul_bf16 = block_matmul(tiles)
     blocks, _ = _blocks(kind, 80, 768)

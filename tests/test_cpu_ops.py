@@ -243,17 +243,33 @@ def test_q6_q8_matmul_is_q6_k_blocks_by_two_level_int8_activations(rows, width, 
     _assert_within_the_second_levels_step(ours, x, dense)
 
 
-@pytest.mark.parametrize("op", ["q4_q8_matmul", "q5_q8_matmul", "q8_q8_matmul", "q6_q8_matmul"])
+@pytest.mark.parametrize("rows, width", [(4, 256), (17, 512), (577, 1536)])
+@pytest.mark.parametrize("tokens", [1, 3, 9, 70])
+def test_q4_k_q8_matmul_is_q4_k_blocks_by_two_level_int8_activations(rows, width, tokens):
+    blocks, dense = _super_blocks(Type.Q4_K, rows, width)
+    packed = cpu.pack_q4_k_rows(blocks)
+    assert packed.shape == (-(-rows // 16), width // 256, cpu.Q4_K_GROUP_BYTES)
+    q, d, m = super_blocks.q4_k_scale_min(blocks)  # w = d'·q + m' per 32, exact
+    x = torch.randn(tokens, width)
+    x[-1, :32] = 0  # an all-zero block: dx = 0, codes 0
+    ours = cpu.q4_k_q8_matmul(x, packed, rows)
+    torch.testing.assert_close(ours.double(), _q8_activation_reference(x, q, d, m), atol=1e-4, rtol=1e-4)
+    _assert_within_the_second_levels_step(ours, x, dense)
+
+
+@pytest.mark.parametrize("op", ["q4_q8_matmul", "q5_q8_matmul", "q8_q8_matmul", "q6_q8_matmul", "q4_k_q8_matmul"])
 def test_int8_activation_rows_do_not_depend_on_the_batch(op):
-    width = 512 if op == "q6_q8_matmul" else 576
+    width = 512 if op in ("q6_q8_matmul", "q4_k_q8_matmul") else 576
     if op in ("q4_q8_matmul", "q5_q8_matmul"):  # 131 rows: a last group of 3 real rows and 13 padding ones
         q = torch.randint(0, 16 if op == "q4_q8_matmul" else 32, (131, 576), dtype=torch.uint8)
         pack = cpu.pack_q4_rows if op == "q4_q8_matmul" else cpu.pack_q5_rows
         packed = pack(q, torch.rand(131, 18).half(), torch.rand(131, 18).half())
     elif op == "q8_q8_matmul":
         packed = cpu.pack_q8_rows(cpu.pack_q8_exact(_q8(131, 576)))
-    else:
+    elif op == "q6_q8_matmul":
         packed = cpu.pack_q6_k_rows(_super_blocks(Type.Q6_K, 131, 512)[0])
+    else:
+        packed = cpu.pack_q4_k_rows(_super_blocks(Type.Q4_K, 131, 512)[0])
     x = torch.randn(37, width)
     x[5] *= 50  # a loud token changes nothing for the others: each token's blocks have their own scales
     together = getattr(cpu, op)(x, packed, 131)
@@ -273,6 +289,11 @@ def test_row_groups_are_packed_alike_in_any_number_of_steps(monkeypatch):
     monkeypatch.setattr(cpu, "PACKED_ROWS", 32)
     assert torch.equal(cpu.pack_q4_rows(q, d, m), whole[0]) and torch.equal(cpu.pack_q8_rows(q8_blocks), whole[1])
     assert torch.equal(cpu.pack_q6_k_rows(q6_k_blocks), whole[2]) and torch.equal(cpu.pack_q5_rows(q * 2, d, m), whole[3])
+    q4_k_blocks = _super_blocks(Type.Q4_K, 131, 256)[0]
+    monkeypatch.setattr(cpu, "PACKED_ROWS", 1024)
+    whole_q4_k = cpu.pack_q4_k_rows(q4_k_blocks)
+    monkeypatch.setattr(cpu, "PACKED_ROWS", 32)
+    assert torch.equal(cpu.pack_q4_k_rows(q4_k_blocks), whole_q4_k)
     assert whole[0].shape == (9, 3, cpu.Q4_GROUP_BYTES)
 
 

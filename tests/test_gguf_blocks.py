@@ -41,10 +41,10 @@ def _identity_outputs(projection, width: int) -> torch.Tensor:
     return projection(torch.eye(width)).T
 
 
-# int4-q8: each type's integer kernel, in row groups (Q4_K as int4 blocks; Q5_0, Q5_1, Q5_K as int5 ones)
-INTEGER_PROJECTIONS = {Type.Q4_0: "Q4Projection", Type.Q4_1: "Q4Projection", Type.Q4_K: "Q4Projection",
+# int4-q8: each type's integer kernel, in row groups (Q5_0, Q5_1, Q5_K as int5 blocks)
+INTEGER_PROJECTIONS = {Type.Q4_0: "Q4Projection", Type.Q4_1: "Q4Projection", Type.Q4_K: "SuperBlockRowsProjection",
                        Type.Q5_0: "Int5Projection", Type.Q5_1: "Int5Projection", Type.Q5_K: "Int5Projection",
-                       Type.Q8_0: "Q8Projection", Type.Q6_K: "Q6Projection"}
+                       Type.Q8_0: "Q8Projection", Type.Q6_K: "SuperBlockRowsProjection"}
 
 
 @pytest.mark.parametrize("qtype", COVERED_TYPES, ids=lambda t: t.name)
@@ -75,13 +75,13 @@ def test_the_kernels_compute_with_ggufs_own_dequantized_weights(qtype):
     if isinstance(blocks, Q5Blocks):  # the Q8_0 kernel over the same numbers (what ran before): the same bits
         as_q8 = linear.Choice("int4", torch.float32, "cpu_ops").make(reference, None, weight.as_q8())
         assert type(as_q8).__name__ == "Q8Projection" and torch.equal(as_q8(x), projection(x))
-    if qtype == Type.Q4_K:  # for the integer kernels, int4 blocks of the same numbers
+    if qtype == Type.Q4_K:  # for torch's int4 kernel, int4 blocks of the same numbers
         assert torch.equal(weight.as_q4().dequantize(), reference)
     if qtype in (Type.Q5_0, Type.Q5_K):  # for the integer kernels, int5 blocks of the same numbers
         assert torch.equal(weight.as_int5().dequantize(), reference)
     integer = linear.Choice("int4-q8", torch.float32, "cpu_ops").make(reference, None, weight)
     assert type(integer).__name__ == INTEGER_PROJECTIONS[qtype]
-    if qtype not in (Type.Q4_K, Type.Q5_K):  # d, m exact in the row groups' fp16: within the input codes' steps
+    if qtype != Type.Q5_K:  # the row groups' scales exact (Q5_K's d·sc in fp16 may not be): within the inputs' steps
         step = x.reshape(len(x), -1, 32).abs().amax(-1).repeat_interleave(32, 1) / (127 * 256)
         assert ((integer(x) - x @ reference.T).abs() <= step @ reference.abs().T + 1e-5).all()
 

@@ -14,7 +14,7 @@ checkpoint:
 | float32 | fp32 (MKL, or prepacked for oneDNN) | fp32 | exact | yes |
 | float16 | fp16, prepacked for fbgemm | fp32 | weights rounded to fp16 (11-bit mantissa), fp32 accumulation | yes |
 | int4 | the GGUF's own blocks: Q4_0, Q4_1 as int4 blocks (scale d, zero m per 32 weights, fp32), Q5_1 as int5 blocks (likewise), Q8_0, Q5_0, Q4_K, Q5_K and Q6_K as they are (the LM head's too); the CPU ops' kernels with fp32 activations, torch's (int4 blocks) with bf16; a projection of another type (or of mixed types) as float16 with fp32 activations, bf16 with bf16 | fp32 (auto), or bf16 | fp32: exactly the file's weights where they keep their blocks, else rounded to fp16; bf16: activations and d, m rounded to bf16 | with fp32 activations |
-| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (Q4_K as int4 blocks; Q5_0 as d·q − 16d, Q5_1 and Q5_K as int5 blocks; their d, m rounded to fp16: Q4_K's and Q5_K's d·sc may not be one; Q6_K's 6-bit codes and d·sc exactly, 7 bits a weight) | each token's inputs per block of 32 to two levels of int8 codes, x ≈ dx·(q1 + q2/256) (q1 llama.cpp's Q8_1), exact integer sums per block (Q6_K: per 16) | near-exact: inputs within absmax/32,500, the fp16 rounding of Q4_K's d·sc; logits closer to float32's than float16's | yes: a GGUF read as its blocks alone (untimed: it beats int4 at 1 and 32 streams on AVX2, AVX-512 and VNNI), else timed |
+| int4-q8 | the same blocks, repacked in groups of 16 rows for the CPU ops' integer kernels (Q5_0 as d·q − 16d, Q5_1 and Q5_K as int5 blocks, their d, m rounded to fp16: Q5_K's d·sc may not be one; Q4_K's and Q6_K's codes and d·sc exactly, 4.625 and 7 bits a weight) | each token's inputs per block of 32 to two levels of int8 codes, x ≈ dx·(q1 + q2/256) (q1 llama.cpp's Q8_1), exact integer sums per block (Q6_K: per 16) | near-exact: inputs within absmax/32,500, the fp16 rounding of Q5_K's d·sc; logits closer to float32's than float16's | yes: a GGUF read as its blocks alone (untimed: it beats int4 at 1 and 32 streams on AVX2, AVX-512 and VNNI), else timed |
 | bfloat16 | bf16 | bf16 | weights and activations rounded to bf16 (8-bit mantissa) | only with dtype=bfloat16 |
 | int8 | per-output-channel int8 (a quantization of the checkpoint) | int8 per token (one absmax scale per token), exact int32 accumulation | lossy | no: only when asked for |
 
@@ -427,23 +427,30 @@ class Q5Projection(Projection):
         return cpu_ops.q5_matmul(x, self.blocks)
 
 
-class Q6Projection(Projection):
-    """Q6_K weights with int8 activations: the super-blocks repacked in groups of rows (pack_q6_k_rows: 7 bits a
-    weight, each 16's d' = d·sc exact), each 16 inputs' products of codes summed in integers (q6_q8_matmul)."""
+# K-quants with int8 activations: their super-blocks repacked in groups of rows, and the op over them
+SUPER_BLOCK_ROWS = {"q4_k": (cpu_ops.pack_q4_k_rows, cpu_ops.q4_k_q8_matmul),
+                    "q6_k": (cpu_ops.pack_q6_k_rows, cpu_ops.q6_q8_matmul)}
 
-    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None):
+
+class SuperBlockRowsProjection(Projection):
+    """Q4_K or Q6_K weights with int8 activations: the super-blocks repacked in groups of rows (pack_q4_k_rows: 4.625
+    bits a weight; pack_q6_k_rows: 7), their scales d' exact, each block's (Q6_K: each 16's) products of codes summed
+    in integers (q4_k_q8_matmul, q6_q8_matmul)."""
+
+    def __init__(self, weight: SuperBlockWeight, bias: torch.Tensor | None):
         super().__init__(bias)
-        self.rows = blocks.shape[0]
-        self.packed = cpu_ops.pack_q6_k_rows(blocks)
+        self.kind, self.rows = weight.kind, weight.blocks.shape[0]
+        pack, self.op = SUPER_BLOCK_ROWS[weight.kind]
+        self.packed = pack(weight.blocks)
 
     def plain_block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        return [("q6_k_groups", self.packed, self.rows)]
+        return [(f"{self.kind}_groups", self.packed, self.rows)]
 
     def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:  # (int8 activations: the groups of rows)
-        return None if self.bias is not None else [("q6_k", self.packed, self.rows)]
+        return None if self.bias is not None else [(self.kind, self.packed, self.rows)]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.q6_q8_matmul(x, self.packed, self.rows)
+        return self.op(x, self.packed, self.rows)
 
 
 class SuperBlockProjection(Projection):
@@ -513,8 +520,7 @@ class Choice:
             biases = [None] * len(blocks.rows) if bias is None else bias.split(blocks.rows)
             return PartsProjection([self.make(part_weight, part_bias, part) for part_weight, part_bias, part
                                     in zip(weight.split(blocks.rows), biases, blocks.parts)])
-        if (isinstance(blocks, SuperBlockWeight) and blocks.kind == "q4_k"
-                and (self.int8_activations or self.kernel == "int4")):
+        if isinstance(blocks, SuperBlockWeight) and blocks.kind == "q4_k" and self.kernel == "int4":
             blocks = blocks.as_q4()
         if self.int8_activations and (isinstance(blocks, Q5Weight)
                                       or isinstance(blocks, SuperBlockWeight) and blocks.kind == "q5_k"):
@@ -528,8 +534,8 @@ class Choice:
             return Q8Projection(blocks.blocks, bias, self.int8_activations)
         if isinstance(blocks, Q5Weight):
             return Q5Projection(blocks.blocks, bias)
-        if isinstance(blocks, SuperBlockWeight) and blocks.kind == "q6_k" and self.int8_activations:
-            return Q6Projection(blocks.blocks, bias)
+        if isinstance(blocks, SuperBlockWeight) and blocks.kind in SUPER_BLOCK_ROWS and self.int8_activations:
+            return SuperBlockRowsProjection(blocks, bias)
         if isinstance(blocks, SuperBlockWeight):
             return SuperBlockProjection(blocks, bias)
         if isinstance(blocks, Int5Weight):

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tritonllm.kernels.cpu.super_blocks import Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, SUPER_BLOCK, q6_k_codes
+from tritonllm.kernels.cpu.super_blocks import (Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, SUPER_BLOCK, q4_k_scale_min,
+                                                q6_k_codes, six_bit_scales)
 from tritonllm.kernels.decode_attention import paged_decode_attention_reference
 from tritonllm.kernels.kv_cache import store_kv_cache_reference
 from tritonllm.kernels.prefill_attention import prefill_attention_reference
@@ -41,6 +42,7 @@ QUANT_BLOCK = 32  # as in quant_matmul.c
 # a K-quant super-block's of SUPER_BLOCK (super_blocks.py)
 Q4_BYTES, Q5_1_BYTES, Q8_BYTES, Q5_BYTES = 24, 28, 34, 22
 Q4_GROUP_BYTES, Q5_GROUP_BYTES, Q8_GROUP_BYTES, Q6_GROUP_BYTES = 4 * 64 + 64, 5 * 64 + 64, 8 * 64 + 32, 6 * 64 + 64
+Q4_K_GROUP_BYTES = 8 * 4 * 64 + 2 * 8 * 16 + 64  # per super-block of 256 inputs
 X86_MACHINES = ("x86_64", "AMD64")  # the C ops are written with x86 intrinsics
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -57,6 +59,7 @@ SIGNATURES = {
     "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q6_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q5_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q4_k_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
     "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p,
                                 _i64],
@@ -237,6 +240,20 @@ def pack_q4_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Ten
     return _in_row_chunks(pack, q, d, m)
 
 
+def pack_q4_k_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """A GGUF's Q4_K super-blocks [out, in / 256, 144] → q4_k_q8_matmul's row groups, a super-block a unit: each of
+    its 8 blocks' codes as pack_q4_rows's chunks, then the 6-bit sc of each block (a byte a row), the mn likewise,
+    and the fp16 d, dmin (4.625 bits a weight; d' = d·sc and m' = −dmin·mn exact, as Q4_K's)."""
+    def pack(blocks: torch.Tensor) -> torch.Tensor:
+        rows, count = blocks.shape[:2]
+        q = q4_k_scale_min(blocks)[0].view(rows, count * 8, 2, 4, 4)
+        sc, mn, d, dmin = six_bit_scales(blocks)
+        tails = [t[..., j].to(torch.int8) for t in (sc, mn) for j in range(8)] + [d[..., 0], dmin[..., 0]]
+        return _row_groups((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, -1), tails)
+
+    return _in_row_chunks(pack, blocks)
+
+
 def pack_q5_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """int5 codes q [out, in] (0..31) and scales d, zeros m [out, in / 32] → q5_q8_matmul's row groups: per block,
     pack_q4_rows's chunks of the low 4 bits, a chunk whose bit c holds code chunk c's fifth bits, then d, m rounded
@@ -374,16 +391,17 @@ def q6_k_matmul(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 # blocks.h's enum: what a projection's blocks are
 BLOCK_KINDS = {"int4": 0, "q8_0": 1, "q6_k": 2, "q5_0": 3, "int5": 4, "q4_k": 5, "q5_k": 6, "int4_groups": 7,
-               "q8_0_groups": 8, "q6_k_groups": 9, "int5_groups": 10}
+               "q8_0_groups": 8, "q6_k_groups": 9, "int5_groups": 10, "q4_k_groups": 11}
 BF16_TOKENS = 32  # block_matmul_bf16.c's tokens a step (AMX_TOKENS)
 BLOCK_BYTES = {"int4": (Q4_BYTES, QUANT_BLOCK), "int5": (Q5_1_BYTES, QUANT_BLOCK), "q8_0": (Q8_BYTES, QUANT_BLOCK),
                "q5_0": (Q5_BYTES, QUANT_BLOCK), "q4_k": (Q4_K_BYTES, SUPER_BLOCK), "q5_k": (Q5_K_BYTES, SUPER_BLOCK),
                "q6_k": (Q6_K_BYTES, SUPER_BLOCK)}
 """A kind of blocks as the fp32-activation ops read them: (bytes, inputs) a (super-)block."""
-ROW_GROUP_BYTES = {"int4_groups": Q4_GROUP_BYTES, "int5_groups": Q5_GROUP_BYTES, "q8_0_groups": Q8_GROUP_BYTES,
-                   "q6_k_groups": Q6_GROUP_BYTES}
-"""The int8-activation ops' row groups (pack_q4_rows, pack_q5_rows, pack_q8_rows, pack_q6_k_rows) as block_matmul_bf16 reads them: bytes a
-block of 32 inputs of GROUP_ROWS rows."""
+ROW_GROUP_BYTES = {"int4_groups": (Q4_GROUP_BYTES, QUANT_BLOCK), "int5_groups": (Q5_GROUP_BYTES, QUANT_BLOCK),
+                   "q8_0_groups": (Q8_GROUP_BYTES, QUANT_BLOCK), "q6_k_groups": (Q6_GROUP_BYTES, QUANT_BLOCK),
+                   "q4_k_groups": (Q4_K_GROUP_BYTES, SUPER_BLOCK)}
+"""The int8-activation ops' row groups (pack_q4_rows, pack_q4_k_rows, pack_q5_rows, pack_q8_rows, pack_q6_k_rows) as
+block_matmul_bf16 reads them: (bytes, inputs) a unit of GROUP_ROWS rows."""
 
 
 def dequantize_blocks(kind: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -419,8 +437,7 @@ def block_matmul_bf16(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]
     _checked(x, "x", torch.float32, (None, None))
     tokens, inputs = x.shape
     for kind, blocks, rows in parts:
-        block_bytes, block_inputs = ((ROW_GROUP_BYTES[kind], QUANT_BLOCK) if kind in ROW_GROUP_BYTES
-                                     else BLOCK_BYTES[kind])
+        block_bytes, block_inputs = ROW_GROUP_BYTES[kind] if kind in ROW_GROUP_BYTES else BLOCK_BYTES[kind]
         if inputs % block_inputs or rows % 16:
             raise ValueError(f"{kind}: {inputs} inputs, {rows} rows: not multiples of {block_inputs} and 16")
         groups = rows // GROUP_ROWS if kind in ROW_GROUP_BYTES else rows
@@ -450,6 +467,11 @@ def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tens
 def q5_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
     """As q4_q8_matmul over pack_q5_rows's weights (5-bit codes)."""
     return _block_matmul(_library.q5_q8_matmul, x, packed, rows, Q5_GROUP_BYTES, GROUP_ROWS)
+
+
+def q4_k_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """As q4_q8_matmul over pack_q4_k_rows's weights (Q4_K's exact d', m')."""
+    return _block_matmul(_library.q4_k_q8_matmul, x, packed, rows, Q4_K_GROUP_BYTES, GROUP_ROWS, SUPER_BLOCK)
 
 
 def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:

@@ -111,6 +111,33 @@ static void int5_groups_operands(const uint8_t *group, int64_t row_bytes, int64_
     }
 }
 
+static void q4_k_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
+                                 int64_t stride) {
+    (void)row_bytes;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    for (int64_t s = 0; s < blocks / SUPER_BLOCKS; s++) {
+        const uint8_t *unit = group + s * Q4_K_GROUP_BYTES, *tail = unit + SUPER_BLOCKS * 4 * GROUP_CHUNK;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 256)));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 288)));
+        for (int j = 0; j < SUPER_BLOCKS; j++) { /* d' = d·sc, m' = −dmin·mn: exact */
+            const __m512 dj = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(tail + 16 * j)))));
+            const __m512 mj = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + 128 + 16 * j))))));
+            uint16_t *out = operands + (s * SUPER_BLOCKS + j) * stride;
+            for (int c = 0; c < 4; c++) {
+                const __m512i both = _mm512_loadu_si512(unit + (4 * j + c) * GROUP_CHUNK);
+                const __m512i halves[2] = {_mm512_and_si512(both, nibble),
+                                           _mm512_and_si512(_mm512_srli_epi32(both, 4), nibble)};
+                for (int h = 0; h < 2; h++) /* inputs 16h + 4c + i: pairs 8h + 2c, 8h + 2c + 1 */
+                    for (int i = 0; i < 4; i += 2)
+                        store_pair(out + 32 * (8 * h + 2 * c + i / 2), _mm512_fmadd_ps(code_of_lanes(halves[h], i), dj, mj),
+                                   _mm512_fmadd_ps(code_of_lanes(halves[h], i + 1), dj, mj));
+            }
+        }
+    }
+}
+
 static void q8_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
                                int64_t stride) {
     (void)row_bytes;
@@ -164,6 +191,7 @@ static RightOperands right_operands(int64_t kind, int64_t blocks, int64_t *row_b
     case Q8_ROW_GROUPS: *row_bytes = blocks * Q8_GROUP_BYTES / GROUP_ROWS; return q8_groups_operands;
     case Q6_ROW_GROUPS: *row_bytes = blocks * Q6_GROUP_BYTES / GROUP_ROWS; return q6_groups_operands;
     case INT5_ROW_GROUPS: *row_bytes = blocks * Q5_GROUP_BYTES / GROUP_ROWS; return int5_groups_operands;
+    case Q4_K_ROW_GROUPS: *row_bytes = blocks / SUPER_BLOCKS * Q4_K_GROUP_BYTES / GROUP_ROWS; return q4_k_groups_operands;
     default: return NULL;
     }
 }

@@ -10,7 +10,7 @@
 
 /* kernels/cpu/__init__.py's BLOCK_KINDS: what a projection's blocks are */
 enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLOCKS, Q5_K_BLOCKS, INT4_ROW_GROUPS,
-       Q8_ROW_GROUPS, Q6_ROW_GROUPS, INT5_ROW_GROUPS };
+       Q8_ROW_GROUPS, Q6_ROW_GROUPS, INT5_ROW_GROUPS, Q4_K_ROW_GROUPS };
 
 /* The int8-activation ops' layout (quant_matmul.c; the bf16 prompt rows read it too): rows in groups of 16, per
  * group and block of 32 inputs its codes as chunks of 64 bytes (chunk c, byte 4r + i: row r's code for input 4c + i;
@@ -26,6 +26,10 @@ enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLO
 /* int5's (a GGUF's Q5_1, Q5_K, and Q5_0 as d·q − 16d): int4's chunks of low 4 bits, a chunk of fifth bits (bit c:
  * code chunk c's), 16 d, 16 m: 6 bits a weight */
 #define Q5_GROUP_BYTES (5 * GROUP_CHUNK + 64)
+/* Q4_K's, per super-block (its 8 blocks a unit): int4's chunks of each block in turn, then the 16 rows' 6-bit sc of
+ * each block (bytes), their mn likewise, their fp16 d, dmin: 4.625 bits a weight, d' = d·sc and m' = −dmin·mn
+ * exact as Q4_K's */
+#define Q4_K_GROUP_BYTES (SUPER_BLOCKS * 4 * GROUP_CHUNK + 2 * SUPER_BLOCKS * 16 + 64)
 
 #define QUANT_BLOCK 32
 #define Q4_1_BYTES 24 /* fp32 d, fp32 m (the GGUF's fp16, widened at load: each a broadcast from memory, where

@@ -25,9 +25,9 @@ static BlockMatmul block_matmul(int64_t kind, int64_t int8_activations) {
     case Q8_0_BLOCKS: return int8_activations ? q8_q8_matmul : q8_matmul;
     case Q6_K_BLOCKS: return int8_activations ? q6_q8_matmul : q6_k_matmul;
     case INT5_BLOCKS: return int8_activations ? q5_q8_matmul : q5_1_matmul;
-    /* with int8 activations these run as int4 (Q4_K) and int5 (Q5_0, Q5_K) row groups instead */
+    case Q4_K_BLOCKS: return int8_activations ? q4_k_q8_matmul : q4_k_matmul;
+    /* with int8 activations these run as int5 row groups instead */
     case Q5_0_BLOCKS: return q5_matmul;
-    case Q4_K_BLOCKS: return q4_k_matmul;
     default: return q5_k_matmul;
     }
 }
@@ -49,8 +49,8 @@ static void project(const ProjectionPart *parts, const float *x, int64_t T, int6
 
 /* hidden: [T][hidden] the embeddings in, the last layer's MLP output out; residual: [T][hidden] out (their sum is
  * the decoder's output). cos, sin: [T][head_dim / 2]. half_cache: the layers' KV caches are float16.
- * int8_activations: the projections quantize their inputs (q4_q8_matmul, q5_q8_matmul, q8_q8_matmul,
- * q6_q8_matmul), else fp32. */
+ * int8_activations: the projections quantize their inputs (q4_q8_matmul, q4_k_q8_matmul, q5_q8_matmul,
+ * q8_q8_matmul, q6_q8_matmul), else fp32. */
 void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int64_t hidden_size, int64_t heads,
                   int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps, float scale,
                   const float *cos, const float *sin, const int64_t *slot_mapping, int64_t block_size,

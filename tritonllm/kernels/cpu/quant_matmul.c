@@ -179,8 +179,8 @@ int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64
  * block order, in fp32, with sx = dx / 256 · (256 Σ q1 + Σ q2) (Q8_0 has no mw; Q6_K sums each 16 apart, its
  * unsigned codes' 32 Σ x taken back, and scales each by its own d').
  *
- * The weights are repacked at load into groups of 16 rows (pack_q4_rows, pack_q5_rows, pack_q8_rows,
- * pack_q6_k_rows; blocks.h's row groups).
+ * The weights are repacked at load into groups of 16 rows (pack_q4_rows, pack_q4_k_rows, pack_q5_rows,
+ * pack_q8_rows, pack_q6_k_rows; blocks.h's row groups).
  * One vector then holds 4 inputs of every row of a group (16 rows with AVX-512, 8 with AVX2), so one broadcast of
  * 4 input codes meets them all: a block is 16 multiply-adds of 4 code pairs per lane (vpdpbusd with AVX512-VNNI;
  * pairs to int16, then to int32, without), no horizontal sums, and one scale vector for all the group's rows.
@@ -296,11 +296,12 @@ static inline sums_t row_scales(const uint8_t *p) {
 }
 #define GROUP_VECTORS (GROUP_ROWS / VECTOR_ROWS)
 
-/* Each format's row groups, for one vector of rows (`codes`: the group's block, advanced to that vector): its 8
- * vectors of codes (FORMAT_rows: chunk c, inputs 4c .. 4c + 3), its scales (FORMAT_scales) and what one token's
- * block adds to the rows' sums (FORMAT_token). */
+/* Each format's row groups, in units of one block of 32 inputs (Q4_K's: a super-block's 8, their codes one after
+ * another, 4 chunks each, then its scales), for one vector of rows: a block's 8 vectors of codes (FORMAT_rows from
+ * `codes`, the block's advanced to that vector: chunk c, inputs 4c .. 4c + 3), its scales (FORMAT_scales: block j of
+ * the unit) and what one token's block adds to the rows' sums (FORMAT_token). */
 typedef struct {
-    sums_t first, second; /* int4: d, m; Q8_0: d; Q6_K: d' of inputs 0-15, of 16-31 */
+    sums_t first, second; /* int4, int5: d, m; Q4_K: d', m'; Q8_0: d; Q6_K: d' of inputs 0-15, of 16-31 */
 } RowScales;
 
 /* How a format's weight codes meet the input codes (level_sum): unsigned nibbles, Q8_0's codes + 128, unsigned
@@ -335,15 +336,18 @@ static inline void q6_groups_rows(const uint8_t *codes, rows_t w[8]) {
     }
 }
 
-static inline RowScales q4_groups_scales(const uint8_t *block, int64_t half) {
+static inline RowScales q4_groups_scales(const uint8_t *block, int j, int64_t half) {
+    (void)j; /* one block a unit */
     const uint8_t *scales = block + 4 * GROUP_CHUNK + half * VECTOR_ROWS * 2;
     return (RowScales){row_scales(scales), row_scales(scales + 32)};
 }
-static inline RowScales q5_groups_scales(const uint8_t *block, int64_t half) {
+static inline RowScales q5_groups_scales(const uint8_t *block, int j, int64_t half) {
+    (void)j; /* one block a unit */
     const uint8_t *scales = block + 5 * GROUP_CHUNK + half * VECTOR_ROWS * 2;
     return (RowScales){row_scales(scales), row_scales(scales + 32)};
 }
-static inline RowScales q8_groups_scales(const uint8_t *block, int64_t half) {
+static inline RowScales q8_groups_scales(const uint8_t *block, int j, int64_t half) {
+    (void)j; /* one block a unit */
     const sums_t d = row_scales(block + 8 * GROUP_CHUNK + half * VECTOR_ROWS * 2);
     return (RowScales){d, d};
 }
@@ -354,7 +358,8 @@ static inline sums_t int8_scales(const uint8_t *p) { /* VECTOR_ROWS int8 as floa
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #endif
 }
-static inline RowScales q6_groups_scales(const uint8_t *block, int64_t half) {
+static inline RowScales q6_groups_scales(const uint8_t *block, int j, int64_t half) {
+    (void)j; /* one block a unit */
     const uint8_t *sc = block + 6 * GROUP_CHUNK + half * VECTOR_ROWS;
     const sums_t d = row_scales(block + 6 * GROUP_CHUNK + 32 + half * VECTOR_ROWS * 2);
     return (RowScales){RV(mul_ps)(d, int8_scales(sc)), RV(mul_ps)(d, int8_scales(sc + GROUP_ROWS))}; /* exact */
@@ -421,6 +426,25 @@ static inline sums_t q4_groups_token(const rows_t w[8], RowScales s, Q8Activatio
 static inline sums_t q5_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
     return scale_min_token(w, s, x, at, acc, WIDE_CODES);
 }
+
+/* Q4_K's super-blocks: d' = d·sc and m' = −dmin·mn of block j, exact in fp32 (gguf's numbers) */
+static inline sums_t u8_scales(const uint8_t *p) { /* VECTOR_ROWS bytes as floats */
+#if VECTOR_ROWS == 16
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
+}
+static inline RowScales q4_k_groups_scales(const uint8_t *unit, int j, int64_t half) {
+    const uint8_t *tail = unit + SUPER_BLOCKS * 4 * GROUP_CHUNK, *row = tail + half * VECTOR_ROWS;
+    const sums_t d = row_scales(tail + 256 + half * VECTOR_ROWS * 2), dmin = row_scales(tail + 288 + half * VECTOR_ROWS * 2);
+    return (RowScales){RV(mul_ps)(d, u8_scales(row + 16 * j)),
+                       RV(sub_ps)(RV(setzero_ps)(), RV(mul_ps)(dmin, u8_scales(row + 128 + 16 * j)))};
+}
+static inline void q4_k_groups_rows(const uint8_t *codes, rows_t w[8]) { q4_groups_rows(codes, w); }
+static inline sums_t q4_k_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
+    return scale_min_token(w, s, x, at, acc, NIBBLE_CODES);
+}
 /* acc + (d dx / 256) Σ */
 static inline sums_t q8_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
     rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, Q8_0_CODES);
@@ -445,23 +469,29 @@ static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activatio
 /* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row], block by block (FORMAT_token). */
 #define ROWS_TILE_(NAME, VECTORS, TOKENS) NAME##_rows_##VECTORS##x##TOKENS
 #define ROWS_TILE(NAME, VECTORS, TOKENS) ROWS_TILE_(NAME, VECTORS, TOKENS)
-#define ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, VECTORS, TOKENS)                                            \
+#define ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, VECTORS, TOKENS)                               \
     static inline void ROWS_TILE(NAME, VECTORS, TOKENS)(const uint8_t *weights, int64_t blocks, Q8Activations x, \
                                                         int64_t K, int64_t v0, int64_t t0, float *y, int64_t N) { \
-        const uint8_t *weights_end = weights + (N + GROUP_ROWS - 1) / GROUP_ROWS * blocks * (GROUP_BYTES);      \
+        const int64_t units = blocks / (UNIT_BLOCKS);                                                           \
+        const uint8_t *weights_end = weights + (N + GROUP_ROWS - 1) / GROUP_ROWS * units * (UNIT_BYTES);        \
         sums_t acc[VECTORS][TOKENS];                                                                            \
         for (int v = 0; v < VECTORS; v++)                                                                       \
             for (int t = 0; t < TOKENS; t++) acc[v][t] = RV(setzero_ps)();                                      \
-        for (int64_t b = 0; b < blocks; b++) {                                                                  \
-            for (int v = 0; v < VECTORS; v++) {                                                                 \
-                const int64_t vector = v0 + v, half = vector % GROUP_VECTORS;                                   \
-                const uint8_t *block = weights + ((vector / GROUP_VECTORS) * blocks + b) * (GROUP_BYTES);       \
-                if (half == 0) prefetch_lines(block + PREFETCH_AHEAD, GROUP_BYTES, weights_end);                \
-                rows_t w[8];                                                                                    \
-                FORMAT##_rows(block + half * VECTOR_ROWS * 4, w);                                               \
-                const RowScales scales = FORMAT##_scales(block, half);                                          \
-                for (int t = 0; t < TOKENS; t++)                                                                \
-                    acc[v][t] = FORMAT##_token(w, scales, x, (t0 + t) * blocks + b, acc[v][t]);                 \
+        for (int64_t u = 0; u < units; u++) {                                                                   \
+            _Pragma("GCC unroll 8") for (int j = 0; j < (UNIT_BLOCKS); j++) { /* a unit's shared scales once */ \
+                const int64_t b = u * (UNIT_BLOCKS) + j;                                                        \
+                for (int v = 0; v < VECTORS; v++) {                                                             \
+                    const int64_t vector = v0 + v, half = vector % GROUP_VECTORS;                               \
+                    const uint8_t *unit = weights + ((vector / GROUP_VECTORS) * units + u) * (UNIT_BYTES);      \
+                    if (half == 0) /* the unit's bytes, a block's share at a time */                            \
+                        prefetch_lines(unit + j * ((UNIT_BYTES) / (UNIT_BLOCKS)) + PREFETCH_AHEAD,              \
+                                       (UNIT_BYTES) / (UNIT_BLOCKS), weights_end);                              \
+                    rows_t w[8];                                                                                \
+                    FORMAT##_rows(unit + j * 4 * GROUP_CHUNK + half * VECTOR_ROWS * 4, w);                      \
+                    const RowScales scales = FORMAT##_scales(unit, j, half);                                    \
+                    for (int t = 0; t < TOKENS; t++)                                                            \
+                        acc[v][t] = FORMAT##_token(w, scales, x, (t0 + t) * blocks + b, acc[v][t]);             \
+                }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
         for (int v = 0; v < VECTORS; v++) {                                                                     \
@@ -488,11 +518,11 @@ static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activatio
 #endif
 
 /* NAME(x, T, K, weights, N, y) as the fp32-activation ops above, with x quantized per token first and the weights
- * in row groups (pack_q4_rows, pack_q5_rows, pack_q8_rows, pack_q6_k_rows). */
-#define ROWS_MATMUL(NAME, FORMAT, GROUP_BYTES)                                                                  \
-    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, ONE_TOKEN_VECTORS, 1)                                           \
-    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, 1, ROWS_TOKEN_TILE)                                             \
-    ROWS_MICROKERNEL(NAME, FORMAT, GROUP_BYTES, 1, 1)                                                           \
+ * in row groups (pack_q4_rows, pack_q4_k_rows, pack_q5_rows, pack_q8_rows, pack_q6_k_rows). */
+#define ROWS_MATMUL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS)                                                     \
+    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, ONE_TOKEN_VECTORS, 1)                               \
+    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, 1, ROWS_TOKEN_TILE)                                 \
+    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, 1, 1)                                               \
     void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {              \
         const int64_t blocks = K / QUANT_BLOCK;                                                                 \
         const int64_t vectors = (N + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_VECTORS;                              \
@@ -521,7 +551,8 @@ static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activatio
         free_activations(a);                                                                                    \
     }
 
-ROWS_MATMUL(q4_q8_matmul, q4_groups, Q4_GROUP_BYTES)
-ROWS_MATMUL(q8_q8_matmul, q8_groups, Q8_GROUP_BYTES)
-ROWS_MATMUL(q6_q8_matmul, q6_groups, Q6_GROUP_BYTES)
-ROWS_MATMUL(q5_q8_matmul, q5_groups, Q5_GROUP_BYTES)
+ROWS_MATMUL(q4_q8_matmul, q4_groups, Q4_GROUP_BYTES, 1)
+ROWS_MATMUL(q8_q8_matmul, q8_groups, Q8_GROUP_BYTES, 1)
+ROWS_MATMUL(q6_q8_matmul, q6_groups, Q6_GROUP_BYTES, 1)
+ROWS_MATMUL(q5_q8_matmul, q5_groups, Q5_GROUP_BYTES, 1)
+ROWS_MATMUL(q4_k_q8_matmul, q4_k_groups, Q4_K_GROUP_BYTES, SUPER_BLOCKS)

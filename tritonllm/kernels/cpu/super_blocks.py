@@ -29,14 +29,20 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 15, packed >> 4], dim=-1)
 
 
-def _scales_and_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K's and Q5_K's d' and m' [rows, in / 32] float32, from their fp16 d, dmin and 6-bit sc, mn (gguf's
-    get_scale_min)."""
-    rows = blocks.shape[0]
+def six_bit_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's 6-bit sc, mn [rows, in / 256, 8] int32 (gguf's get_scale_min) and fp16 d, dmin [rows,
+    in / 256, 1] as float32."""
     s = blocks[..., 4:16].to(torch.int32)
     sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
     mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
-    return (_half(blocks, 0) * sc.float()).reshape(rows, -1), -(_half(blocks, 2) * mn.float()).reshape(rows, -1)
+    return sc, mn, _half(blocks, 0), _half(blocks, 2)
+
+
+def _scales_and_mins(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's d' = d·sc and m' = −dmin·mn [rows, in / 32] float32 (exact)."""
+    sc, mn, d, dmin = six_bit_scales(blocks)
+    rows = blocks.shape[0]
+    return (d * sc.float()).reshape(rows, -1), -(dmin * mn.float()).reshape(rows, -1)
 
 
 def q4_k_scale_min(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
