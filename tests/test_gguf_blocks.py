@@ -1,6 +1,6 @@
 """GGUF files run on their own blocks: Q4_0 and Q4_1 repacked exactly onto the int4 kernels, Q5_1 and Q5_K
-onto the int5 one, Q8_0, Q5_0, Q4_K and Q6_K as stored on kernels of their own (Q5_0 as Q8_0 and Q4_K as int4 for
-int8 activations), for llama and qwen3 files; what the kernels compute
+onto the int5 one, Q8_0, Q5_0, Q4_K and Q6_K as stored on kernels of their own (for int8 activations each in row
+groups of the integer kernels), for llama and qwen3 files; what the kernels compute
 is `gguf.quants.dequantize`'s weights to the bit; a type without a kernel runs dequantized, said once in the log;
 the engine's logits are the dense model's. A file is read as it is, without a dense copy on disk or in memory,
 to the same logits as its dense conversion with the blocks beside it."""

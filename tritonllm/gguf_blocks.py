@@ -10,10 +10,10 @@ The int5 kernel computes the same with 5-bit codes, and Q5_1 is exactly its shap
 widened).
 
 Q8_0 blocks (fp16 d, 32 signed codes: w = d · q) are the Q8_0 kernel's own layout and stay as they are, and so do
-Q5_0's (fp16 d, the 32 codes' fifth bits, their low nibbles: w = d · (q − 16)), the Q5_0 kernel's (for the integer
-kernels, with int8 activations, they are repacked as Q8_0 blocks of codes q − 16: the same numbers). Q4_K's, Q5_K's
+Q5_0's (fp16 d, the 32 codes' fifth bits, their low nibbles: w = d · (q − 16)), the Q5_0 kernel's. Q4_K's, Q5_K's
 and Q6_K's super-blocks stay as the file stores them too: their kernels decode the scales
-(tritonllm/kernels/cpu/super_blocks.py says how), so a weight costs the file's 4.5, 5.5 and 6.56 bits.
+(tritonllm/kernels/cpu/super_blocks.py says how), so a weight costs the file's 4.5, 5.5 and 6.56 bits. For the
+integer kernels (int8 activations) each is repacked at load into row groups of the same numbers (linear.py).
 
 `gguf.quants.dequantize` is the reference for every type: `kernel_blocks` returns a tensor's blocks only when they
 dequantize to exactly its numbers, compared on CHECKED_ROWS rows from first to last (the sign of a zero aside:
