@@ -228,32 +228,29 @@ def test_q8_q8_matmul_is_q8_0_blocks_by_two_level_int8_activations(rows, width, 
     _assert_within_the_second_levels_step(ours, x, dense)
 
 
+# a K-quant's row groups: (pack, op, bytes and inputs a unit, the reference's weight codes and scales, their span)
+SUPER_BLOCK_ROWS = {
+    Type.Q6_K: (cpu.pack_q6_k_rows, cpu.q6_q8_matmul, cpu.Q6_GROUP_BYTES, 32,
+                lambda blocks: (*super_blocks.q6_k_codes(blocks), None), 16),  # w = d' · (q − 32) per 16 inputs
+    Type.Q4_K: (cpu.pack_q4_k_rows, cpu.q4_k_q8_matmul, cpu.Q4_K_GROUP_BYTES, 256,
+                super_blocks.q4_k_scale_min, 32),  # w = d'·q + m' per 32, exact
+}
+
+
+@pytest.mark.parametrize("qtype", SUPER_BLOCK_ROWS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows, width", [(4, 256), (17, 512), (577, 1536)])
-@pytest.mark.parametrize("tokens", [1, 3, 5, 70])
-def test_q6_q8_matmul_is_q6_k_blocks_by_two_level_int8_activations(rows, width, tokens):
-    blocks, dense = _super_blocks(Type.Q6_K, rows, width)
-    packed = cpu.pack_q6_k_rows(blocks)
-    assert packed.shape == (-(-rows // 16), width // 32, cpu.Q6_GROUP_BYTES)
-    codes, d = super_blocks.q6_k_codes(blocks)  # w = d' · (q − 32) per 16 inputs
+@pytest.mark.parametrize("tokens", [1, 3, 5, 9, 70])
+def test_q6_q8_and_q4_k_q8_matmuls_are_k_quant_blocks_by_two_level_int8_activations(qtype, rows, width, tokens):
+    pack, op, unit_bytes, unit_inputs, codes_and_scales, span = SUPER_BLOCK_ROWS[qtype]
+    blocks, dense = _super_blocks(qtype, rows, width)
+    packed = pack(blocks)
+    assert packed.shape == (-(-rows // 16), width // unit_inputs, unit_bytes)
+    codes, d, m = codes_and_scales(blocks)
     x = torch.randn(tokens, width)
     x[-1, :32] = 0  # an all-zero block: dx = 0, codes 0
-    ours = cpu.q6_q8_matmul(x, packed, rows)
-    expected = _q8_activation_reference(x, codes, d, None, block=16)
+    ours = op(x, packed, rows)
+    expected = _q8_activation_reference(x, codes, d, m, block=span)
     torch.testing.assert_close(ours.double(), expected, atol=1e-4, rtol=1e-4)
-    _assert_within_the_second_levels_step(ours, x, dense)
-
-
-@pytest.mark.parametrize("rows, width", [(4, 256), (17, 512), (577, 1536)])
-@pytest.mark.parametrize("tokens", [1, 3, 9, 70])
-def test_q4_k_q8_matmul_is_q4_k_blocks_by_two_level_int8_activations(rows, width, tokens):
-    blocks, dense = _super_blocks(Type.Q4_K, rows, width)
-    packed = cpu.pack_q4_k_rows(blocks)
-    assert packed.shape == (-(-rows // 16), width // 256, cpu.Q4_K_GROUP_BYTES)
-    q, d, m = super_blocks.q4_k_scale_min(blocks)  # w = d'·q + m' per 32, exact
-    x = torch.randn(tokens, width)
-    x[-1, :32] = 0  # an all-zero block: dx = 0, codes 0
-    ours = cpu.q4_k_q8_matmul(x, packed, rows)
-    torch.testing.assert_close(ours.double(), _q8_activation_reference(x, q, d, m), atol=1e-4, rtol=1e-4)
     _assert_within_the_second_levels_step(ours, x, dense)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.kernels.cpu.super_blocks import (Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, SUPER_BLOCK, q4_k_scale_min,
-                                                q6_k_codes, six_bit_scales)
+                                                q6_k_codes, q6_k_scales, six_bit_scales)
 from tritonllm.kernels.decode_attention import paged_decode_attention_reference
 from tritonllm.kernels.kv_cache import store_kv_cache_reference
 from tritonllm.kernels.prefill_attention import prefill_attention_reference
@@ -227,15 +227,21 @@ def _row_groups(codes: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor
     return torch.cat([codes.reshape(groups, blocks, -1), *scales], dim=-1).contiguous()
 
 
+def _nibble_chunks(q: torch.Tensor) -> torch.Tensor:
+    """Codes q [out, in] → per block of 32, 4 chunks of 4 bytes [out, in / 32, 16] uint8: chunk c's low nibbles the
+    low 4 bits of inputs 4c .. 4c + 3, its high nibbles those of 16 + 4c .. 16 + 4c + 3 (the row groups' codes, or
+    their low bits)."""
+    rows, width = q.shape
+    codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 16) & 15
+    return codes[:, :, 0] | (codes[:, :, 1] << 4)
+
+
 def pack_q4_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """int4 codes q [out, in] (0..15) and scales d, zeros m [out, in / 32] → q4_q8_matmul's row groups: per block,
     4 chunks whose low nibbles hold inputs 4c .. 4c + 3 and high nibbles 16 + 4c .. 16 + 4c + 3, then d, m rounded
-    to fp16 (exact for Q4_0 and Q4_1, not for every Q4_K scale d·sc: relative 2^-12, as float16 weights)."""
+    to fp16 (exact for Q4_0 and Q4_1)."""
     def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        rows, width = q.shape
-        codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
-        nibbles = codes[:, :, 0] | (codes[:, :, 1] << 4)
-        return _row_groups(nibbles.reshape(rows, -1), [d, m])
+        return _row_groups(_nibble_chunks(q).reshape(q.shape[0], -1), [d, m])
 
     return _in_row_chunks(pack, q, d, m)
 
@@ -245,11 +251,9 @@ def pack_q4_k_rows(blocks: torch.Tensor) -> torch.Tensor:
     its 8 blocks' codes as pack_q4_rows's chunks, then the 6-bit sc of each block (a byte a row), the mn likewise,
     and the fp16 d, dmin (4.625 bits a weight; d' = d·sc and m' = −dmin·mn exact, as Q4_K's)."""
     def pack(blocks: torch.Tensor) -> torch.Tensor:
-        rows, count = blocks.shape[:2]
-        q = q4_k_scale_min(blocks)[0].view(rows, count * 8, 2, 4, 4)
         sc, mn, d, dmin = six_bit_scales(blocks)
         tails = [t[..., j].to(torch.int8) for t in (sc, mn) for j in range(8)] + [d[..., 0], dmin[..., 0]]
-        return _row_groups((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, -1), tails)
+        return _row_groups(_nibble_chunks(q4_k_scale_min(blocks)[0]).reshape(len(blocks), -1), tails)
 
     return _in_row_chunks(pack, blocks)
 
@@ -257,14 +261,12 @@ def pack_q4_k_rows(blocks: torch.Tensor) -> torch.Tensor:
 def pack_q5_rows(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """int5 codes q [out, in] (0..31) and scales d, zeros m [out, in / 32] → q5_q8_matmul's row groups: per block,
     pack_q4_rows's chunks of the low 4 bits, a chunk whose bit c holds code chunk c's fifth bits, then d, m rounded
-    to fp16 (exact for Q5_0 and Q5_1, as pack_q4_rows's for Q5_K)."""
+    to fp16 (exact for Q5_0 and Q5_1, not for every Q5_K scale d·sc: relative 2^-12, as float16 weights)."""
     def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         rows, width = q.shape
-        codes = q.to(torch.uint8).view(rows, width // QUANT_BLOCK, 2, 4, 4)
-        nibbles = (codes[:, :, 0] & 15) | ((codes[:, :, 1] & 15) << 4)
-        tops = (codes >> 4).view(rows, width // QUANT_BLOCK, 8, 4)  # [.., code chunk c, input]
+        tops = (q.to(torch.uint8) >> 4).view(rows, width // QUANT_BLOCK, 8, 4)  # [.., code chunk c, input]
         fifths = sum(tops[:, :, c] << c for c in range(8)).to(torch.uint8)
-        return _row_groups(torch.cat([nibbles.reshape(rows, -1, 16), fifths], dim=-1).reshape(rows, -1), [d, m])
+        return _row_groups(torch.cat([_nibble_chunks(q), fifths], dim=-1).reshape(rows, -1), [d, m])
 
     return _in_row_chunks(pack, q, d, m)
 
@@ -288,15 +290,13 @@ def pack_q6_k_rows(blocks: torch.Tensor) -> torch.Tensor:
     the block's super-block (its d' = d·sc exact, as Q6_K's)."""
     def pack(blocks: torch.Tensor) -> torch.Tensor:
         rows, count = blocks.shape[:2]
-        codes, _ = q6_k_codes(blocks)
-        q = (codes + 32).to(torch.uint8).view(rows, count * 8, 2, 4, 4)  # [.., half, chunk, input]
-        nibbles = (q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)
+        q = (q6_k_codes(blocks)[0] + 32).to(torch.uint8)
         tops = (q >> 4).view(rows, count * 8, 2, 4, 4)  # [.., p, k, input]: code chunk 4p + k's
         pairs = tops[:, :, :, 0] | (tops[:, :, :, 1] << 2) | (tops[:, :, :, 2] << 4) | (tops[:, :, :, 3] << 6)
-        sc = blocks[..., 192:208].contiguous().view(torch.int8).view(rows, count * 8, 2)
-        d = blocks[..., 208:210].contiguous().view(torch.float16).expand(rows, count, 8).reshape(rows, count * 8)
-        return _row_groups(torch.cat([nibbles.reshape(rows, -1, 16), pairs.reshape(rows, -1, 8)], dim=-1)
-                           .reshape(rows, -1), [sc[..., 0], sc[..., 1], d])
+        sc, d = q6_k_scales(blocks)
+        sc, d = sc.reshape(rows, count * 8, 2), d.expand(rows, count, 8).reshape(rows, count * 8)
+        return _row_groups(torch.cat([_nibble_chunks(q), pairs.reshape(rows, -1, 8)], dim=-1).reshape(rows, -1),
+                           [sc[..., 0], sc[..., 1], d])
 
     return _in_row_chunks(pack, blocks)
 

@@ -70,23 +70,34 @@ static inline __m512 code_of_lanes(__m512i codes, int byte) { /* byte `byte` of 
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * byte), _mm512_set1_epi32(0xff)));
 }
 
+/* A block of int4's chunks of nibbles (`codes`), w = d q + m per lane, as one operand */
+static inline void nibble_block_operand(const uint8_t *codes, __m512 d, __m512 m, uint16_t *operand) {
+    const __m512i nibble = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; c++) {
+        const __m512i both = _mm512_loadu_si512(codes + c * GROUP_CHUNK);
+        const __m512i halves[2] = {_mm512_and_si512(both, nibble),
+                                   _mm512_and_si512(_mm512_srli_epi32(both, 4), nibble)};
+        for (int h = 0; h < 2; h++) /* inputs 16h + 4c + i: pairs 8h + 2c, 8h + 2c + 1 */
+            for (int i = 0; i < 4; i += 2)
+                store_pair(operand + 32 * (8 * h + 2 * c + i / 2), _mm512_fmadd_ps(code_of_lanes(halves[h], i), d, m),
+                           _mm512_fmadd_ps(code_of_lanes(halves[h], i + 1), d, m));
+    }
+}
+
+static inline __m512 half_lanes(const uint8_t *p) { /* 16 fp16 as floats */
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline __m512 byte_lanes(const uint8_t *p) { /* 16 int8 as floats */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
 static void int4_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
                                  int64_t stride) {
     (void)row_bytes;
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * Q4_GROUP_BYTES;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 4 * GROUP_CHUNK)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 4 * GROUP_CHUNK + 32)));
-        for (int c = 0; c < 4; c++) {
-            const __m512i both = _mm512_loadu_si512(block + c * GROUP_CHUNK), nibble = _mm512_set1_epi8(15);
-            const __m512i halves[2] = {_mm512_and_si512(both, nibble),
-                                       _mm512_and_si512(_mm512_srli_epi32(both, 4), nibble)};
-            for (int h = 0; h < 2; h++) /* inputs 16h + 4c + i: pairs 8h + 2c, 8h + 2c + 1 */
-                for (int i = 0; i < 4; i += 2)
-                    store_pair(operands + b * stride + 32 * (8 * h + 2 * c + i / 2),
-                               _mm512_fmadd_ps(code_of_lanes(halves[h], i), d, m),
-                               _mm512_fmadd_ps(code_of_lanes(halves[h], i + 1), d, m));
-        }
+        nibble_block_operand(block, half_lanes(block + 4 * GROUP_CHUNK), half_lanes(block + 4 * GROUP_CHUNK + 32),
+                             operands + b * stride);
     }
 }
 
@@ -96,8 +107,7 @@ static void int5_groups_operands(const uint8_t *group, int64_t row_bytes, int64_
     const __m512i nibble = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * Q5_GROUP_BYTES;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 5 * GROUP_CHUNK)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 5 * GROUP_CHUNK + 32)));
+        const __m512 d = half_lanes(block + 5 * GROUP_CHUNK), m = half_lanes(block + 5 * GROUP_CHUNK + 32);
         const __m512i fifths = _mm512_loadu_si512(block + 4 * GROUP_CHUNK);
         for (int c = 0; c < 8; c++) { /* inputs 4c + i: the low 4 bits from chunk c % 4, the fifth bit c */
             const __m512i both = _mm512_loadu_si512(block + (c % 4) * GROUP_CHUNK);
@@ -114,27 +124,15 @@ static void int5_groups_operands(const uint8_t *group, int64_t row_bytes, int64_
 static void q4_k_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t blocks, uint16_t *operands,
                                  int64_t stride) {
     (void)row_bytes;
-    const __m512i nibble = _mm512_set1_epi8(15);
     for (int64_t s = 0; s < blocks / SUPER_BLOCKS; s++) {
-        const uint8_t *unit = group + s * Q4_K_GROUP_BYTES, *tail = unit + SUPER_BLOCKS * 4 * GROUP_CHUNK;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 256)));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tail + 288)));
-        for (int j = 0; j < SUPER_BLOCKS; j++) { /* d' = d·sc, m' = −dmin·mn: exact */
-            const __m512 dj = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(tail + 16 * j)))));
-            const __m512 mj = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tail + 128 + 16 * j))))));
-            uint16_t *out = operands + (s * SUPER_BLOCKS + j) * stride;
-            for (int c = 0; c < 4; c++) {
-                const __m512i both = _mm512_loadu_si512(unit + (4 * j + c) * GROUP_CHUNK);
-                const __m512i halves[2] = {_mm512_and_si512(both, nibble),
-                                           _mm512_and_si512(_mm512_srli_epi32(both, 4), nibble)};
-                for (int h = 0; h < 2; h++) /* inputs 16h + 4c + i: pairs 8h + 2c, 8h + 2c + 1 */
-                    for (int i = 0; i < 4; i += 2)
-                        store_pair(out + 32 * (8 * h + 2 * c + i / 2), _mm512_fmadd_ps(code_of_lanes(halves[h], i), dj, mj),
-                                   _mm512_fmadd_ps(code_of_lanes(halves[h], i + 1), dj, mj));
-            }
-        }
+        const uint8_t *unit = group + s * Q4_K_GROUP_BYTES;
+        const __m512 d = half_lanes(unit + Q4_K_GROUP_D), dmin = half_lanes(unit + Q4_K_GROUP_D + 32);
+        for (int j = 0; j < SUPER_BLOCKS; j++) /* d' = d·sc, m' = −dmin·mn: exact */
+            nibble_block_operand(unit + j * 4 * GROUP_CHUNK,
+                                 _mm512_mul_ps(d, byte_lanes(unit + Q4_K_GROUP_SC + 16 * j)),
+                                 _mm512_sub_ps(_mm512_setzero_ps(),
+                                               _mm512_mul_ps(dmin, byte_lanes(unit + Q4_K_GROUP_MN + 16 * j))),
+                                 operands + (s * SUPER_BLOCKS + j) * stride);
     }
 }
 
@@ -144,7 +142,7 @@ static void q8_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t 
     const __m512 offset = _mm512_set1_ps(128.0f);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * Q8_GROUP_BYTES;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 8 * GROUP_CHUNK)));
+        const __m512 d = half_lanes(block + 8 * GROUP_CHUNK);
         for (int c = 0; c < 8; c++) { /* inputs 4c + i (codes + 128): pairs 2c, 2c + 1 */
             const __m512i codes = _mm512_loadu_si512(block + c * GROUP_CHUNK);
             for (int i = 0; i < 4; i += 2)
@@ -161,11 +159,10 @@ static void q6_groups_operands(const uint8_t *group, int64_t row_bytes, int64_t 
     const __m512i nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3);
     const __m512 offset = _mm512_set1_ps(32.0f);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = group + b * Q6_GROUP_BYTES, *sc = block + 6 * GROUP_CHUNK;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
-        const __m512 scales[2] = { /* d' = d·sc, exact */
-            _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc)))),
-            _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16)))))};
+        const uint8_t *block = group + b * Q6_GROUP_BYTES;
+        const __m512 d = half_lanes(block + Q6_GROUP_D);
+        const __m512 scales[2] = {_mm512_mul_ps(d, byte_lanes(block + Q6_GROUP_SC)), /* d' = d·sc, exact */
+                                  _mm512_mul_ps(d, byte_lanes(block + Q6_GROUP_SC + 16))};
         for (int c = 0; c < 8; c++) { /* inputs 4c + i: the low 4 bits from chunk c % 4, the top 2 from 4 + c / 4 */
             const __m512i both = _mm512_loadu_si512(block + (c % 4) * GROUP_CHUNK);
             const __m512i low = _mm512_and_si512(c < 4 ? both : _mm512_srli_epi32(both, 4), nibble);
@@ -191,7 +188,9 @@ static RightOperands right_operands(int64_t kind, int64_t blocks, int64_t *row_b
     case Q8_ROW_GROUPS: *row_bytes = blocks * Q8_GROUP_BYTES / GROUP_ROWS; return q8_groups_operands;
     case Q6_ROW_GROUPS: *row_bytes = blocks * Q6_GROUP_BYTES / GROUP_ROWS; return q6_groups_operands;
     case INT5_ROW_GROUPS: *row_bytes = blocks * Q5_GROUP_BYTES / GROUP_ROWS; return int5_groups_operands;
-    case Q4_K_ROW_GROUPS: *row_bytes = blocks / SUPER_BLOCKS * Q4_K_GROUP_BYTES / GROUP_ROWS; return q4_k_groups_operands;
+    case Q4_K_ROW_GROUPS:
+        *row_bytes = blocks / SUPER_BLOCKS * Q4_K_GROUP_BYTES / GROUP_ROWS;
+        return q4_k_groups_operands;
     default: return NULL;
     }
 }

@@ -22,14 +22,19 @@ enum { INT4_BLOCKS, Q8_0_BLOCKS, Q6_K_BLOCKS, Q5_0_BLOCKS, INT5_BLOCKS, Q4_K_BLO
 /* Q6_K's: its 6-bit codes q (w = d·sc·(q − 32)) as int4's chunks of low 4 bits, then 2 chunks of high bit pairs
  * (chunk 4 + p, bits 2k: those of code chunk 4p + k), then the 16 rows' int8 sc of inputs 0-15, of 16-31, and their
  * super-block's fp16 d: 7 bits a weight, d' = d·sc exact as Q6_K's */
-#define Q6_GROUP_BYTES (6 * GROUP_CHUNK + 64)
+#define Q6_GROUP_SC (6 * GROUP_CHUNK)           /* 16 sc of inputs 0-15, 16 of 16-31 */
+#define Q6_GROUP_D (Q6_GROUP_SC + 2 * GROUP_ROWS) /* 16 fp16 d */
+#define Q6_GROUP_BYTES (Q6_GROUP_D + 2 * GROUP_ROWS)
 /* int5's (a GGUF's Q5_1, Q5_K, and Q5_0 as d·q − 16d): int4's chunks of low 4 bits, a chunk of fifth bits (bit c:
  * code chunk c's), 16 d, 16 m: 6 bits a weight */
 #define Q5_GROUP_BYTES (5 * GROUP_CHUNK + 64)
 /* Q4_K's, per super-block (its 8 blocks a unit): int4's chunks of each block in turn, then the 16 rows' 6-bit sc of
  * each block (bytes), their mn likewise, their fp16 d, dmin: 4.625 bits a weight, d' = d·sc and m' = −dmin·mn
  * exact as Q4_K's */
-#define Q4_K_GROUP_BYTES (SUPER_BLOCKS * 4 * GROUP_CHUNK + 2 * SUPER_BLOCKS * 16 + 64)
+#define Q4_K_GROUP_SC (SUPER_BLOCKS * 4 * GROUP_CHUNK)           /* block j's 16 sc at + 16 j (bytes, 0-63) */
+#define Q4_K_GROUP_MN (Q4_K_GROUP_SC + SUPER_BLOCKS * GROUP_ROWS)  /* likewise its mn */
+#define Q4_K_GROUP_D (Q4_K_GROUP_MN + SUPER_BLOCKS * GROUP_ROWS)   /* 16 fp16 d, then 16 fp16 dmin */
+#define Q4_K_GROUP_BYTES (Q4_K_GROUP_D + 4 * GROUP_ROWS)
 
 #define QUANT_BLOCK 32
 #define Q4_1_BYTES 24 /* fp32 d, fp32 m (the GGUF's fp16, widened at load: each a broadcast from memory, where

@@ -336,22 +336,23 @@ static inline void q6_groups_rows(const uint8_t *codes, rows_t w[8]) {
     }
 }
 
+static inline RowScales d_and_m(const uint8_t *scales, int64_t half) { /* the group's 16 fp16 d, then 16 m */
+    return (RowScales){row_scales(scales + half * VECTOR_ROWS * 2), row_scales(scales + 32 + half * VECTOR_ROWS * 2)};
+}
 static inline RowScales q4_groups_scales(const uint8_t *block, int j, int64_t half) {
     (void)j; /* one block a unit */
-    const uint8_t *scales = block + 4 * GROUP_CHUNK + half * VECTOR_ROWS * 2;
-    return (RowScales){row_scales(scales), row_scales(scales + 32)};
+    return d_and_m(block + 4 * GROUP_CHUNK, half);
 }
 static inline RowScales q5_groups_scales(const uint8_t *block, int j, int64_t half) {
-    (void)j; /* one block a unit */
-    const uint8_t *scales = block + 5 * GROUP_CHUNK + half * VECTOR_ROWS * 2;
-    return (RowScales){row_scales(scales), row_scales(scales + 32)};
+    (void)j;
+    return d_and_m(block + 5 * GROUP_CHUNK, half);
 }
 static inline RowScales q8_groups_scales(const uint8_t *block, int j, int64_t half) {
     (void)j; /* one block a unit */
     const sums_t d = row_scales(block + 8 * GROUP_CHUNK + half * VECTOR_ROWS * 2);
     return (RowScales){d, d};
 }
-static inline sums_t int8_scales(const uint8_t *p) { /* VECTOR_ROWS int8 as floats */
+static inline sums_t int8_scales(const uint8_t *p) { /* VECTOR_ROWS int8 as floats (Q6_K's sc, Q4_K's sc and mn) */
 #if VECTOR_ROWS == 16
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 #else
@@ -360,8 +361,8 @@ static inline sums_t int8_scales(const uint8_t *p) { /* VECTOR_ROWS int8 as floa
 }
 static inline RowScales q6_groups_scales(const uint8_t *block, int j, int64_t half) {
     (void)j; /* one block a unit */
-    const uint8_t *sc = block + 6 * GROUP_CHUNK + half * VECTOR_ROWS;
-    const sums_t d = row_scales(block + 6 * GROUP_CHUNK + 32 + half * VECTOR_ROWS * 2);
+    const uint8_t *sc = block + Q6_GROUP_SC + half * VECTOR_ROWS;
+    const sums_t d = row_scales(block + Q6_GROUP_D + half * VECTOR_ROWS * 2);
     return (RowScales){RV(mul_ps)(d, int8_scales(sc)), RV(mul_ps)(d, int8_scales(sc + GROUP_ROWS))}; /* exact */
 }
 
@@ -427,24 +428,15 @@ static inline sums_t q5_groups_token(const rows_t w[8], RowScales s, Q8Activatio
     return scale_min_token(w, s, x, at, acc, WIDE_CODES);
 }
 
-/* Q4_K's super-blocks: d' = d·sc and m' = −dmin·mn of block j, exact in fp32 (gguf's numbers) */
-static inline sums_t u8_scales(const uint8_t *p) { /* VECTOR_ROWS bytes as floats */
-#if VECTOR_ROWS == 16
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#endif
-}
+/* Q4_K's super-blocks: d' = d·sc and m' = −dmin·mn of block j, exact in fp32 (gguf's numbers); its codes are int4's */
 static inline RowScales q4_k_groups_scales(const uint8_t *unit, int j, int64_t half) {
-    const uint8_t *tail = unit + SUPER_BLOCKS * 4 * GROUP_CHUNK, *row = tail + half * VECTOR_ROWS;
-    const sums_t d = row_scales(tail + 256 + half * VECTOR_ROWS * 2), dmin = row_scales(tail + 288 + half * VECTOR_ROWS * 2);
-    return (RowScales){RV(mul_ps)(d, u8_scales(row + 16 * j)),
-                       RV(sub_ps)(RV(setzero_ps)(), RV(mul_ps)(dmin, u8_scales(row + 128 + 16 * j)))};
+    const RowScales d = d_and_m(unit + Q4_K_GROUP_D, half); /* d, dmin */
+    const uint8_t *row = unit + half * VECTOR_ROWS + GROUP_ROWS * j;
+    return (RowScales){RV(mul_ps)(d.first, int8_scales(row + Q4_K_GROUP_SC)),
+                       RV(sub_ps)(RV(setzero_ps)(), RV(mul_ps)(d.second, int8_scales(row + Q4_K_GROUP_MN)))};
 }
-static inline void q4_k_groups_rows(const uint8_t *codes, rows_t w[8]) { q4_groups_rows(codes, w); }
-static inline sums_t q4_k_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
-    return scale_min_token(w, s, x, at, acc, NIBBLE_CODES);
-}
+#define q4_k_groups_rows q4_groups_rows
+#define q4_k_groups_token q4_groups_token
 /* acc + (d dx / 256) Σ */
 static inline sums_t q8_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
     rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, Q8_0_CODES);

@@ -69,8 +69,13 @@ def q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
     high = (blocks[..., 128:192].reshape(rows, count, 2, 1, 32) >> shifts) & 3
     q = (low | (high.reshape(rows, count, 2, 128) << 4)).to(torch.int8) - 32
-    d = _half(blocks, 208) * blocks[..., 192:208].contiguous().view(torch.int8).float()
-    return q.reshape(rows, -1), d.reshape(rows, -1)
+    sc, d = q6_k_scales(blocks)
+    return q.reshape(rows, -1), (d * sc.float()).reshape(rows, -1)
+
+
+def q6_k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K's int8 sc [rows, in / 256, 16] (one per 16 inputs) and fp16 d [rows, in / 256, 1] as float32."""
+    return blocks[..., 192:208].contiguous().view(torch.int8), _half(blocks, 208)
 
 
 def _scale_min_weights(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
