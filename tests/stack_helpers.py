@@ -167,6 +167,12 @@ def command_line(pid: int) -> list[str]:
         return []
 
 
+def program_name(pid: int) -> str:
+    """The executable's name, or "" once the process is gone (it may exit between a listing and this read)."""
+    argv = command_line(pid)
+    return Path(argv[0]).name if argv else ""
+
+
 def free_port_range(count: int) -> int:
     """The first of `count` consecutive ports free right now."""
     for base in random.Random().sample(range(20000, 60000, 100), 50):

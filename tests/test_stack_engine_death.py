@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stack_helpers import StackProcess, command_line, descendant_pids, wait_until_idle
+from stack_helpers import StackProcess, command_line, descendant_pids, program_name, wait_until_idle
 
 STREAM_END_S = 10  # a stream of the dead engine ends this soon after the kill
 RECOVERY_S = 60  # serving again: the model's reload, weights and all; on a host too busy to load the model in 40 s,
@@ -40,7 +40,7 @@ def dying(default_model_dir, tmp_path_factory):
 def _stubs(process: StackProcess) -> dict[int, str]:
     """The engine processes under serve: pid → instance name."""
     return {pid: argv[argv.index(INSTANCE)] for pid in descendant_pids(process.process.pid)
-            if Path((argv := command_line(pid))[0]).name == "triton_python_backend_stub" and INSTANCE in argv}
+            if program_name(pid) == "triton_python_backend_stub" and INSTANCE in (argv := command_line(pid))}
 
 
 def _threads(pid: int) -> int:
@@ -57,7 +57,7 @@ def _running(pid: int) -> bool:
 
 
 def _process_names(process: StackProcess) -> list[str]:
-    return sorted(Path(command_line(pid)[0]).name for pid in descendant_pids(process.process.pid) if _running(pid))
+    return sorted(program_name(pid) for pid in descendant_pids(process.process.pid) if _running(pid))
 
 
 async def _stream(client: httpx.AsyncClient, base_url: str, model: str, first_token: asyncio.Event) -> tuple:
@@ -196,7 +196,7 @@ def test_a_killed_tritonserver_is_started_again(default_model_dir, tmp_path):
     try:
         root_url = process.stack.base_url.removesuffix("/v1")
         [tritonserver] = [pid for pid in descendant_pids(process.process.pid)
-                          if Path(command_line(pid)[0]).name == "tritonserver"]
+                          if program_name(pid) == "tritonserver"]
         os.kill(tritonserver, signal.SIGKILL)
         killed = time.monotonic()
         _wait_for(lambda: httpx.get(f"{root_url}/health", timeout=10).status_code == 503, 30, "health red")

@@ -18,7 +18,7 @@ import pytest
 
 import stack_helpers
 from churn import run_churn
-from stack_helpers import StackProcess, command_line, descendant_pids
+from stack_helpers import StackProcess, descendant_pids, program_name
 
 GRACE_S = 3
 STOP_MARGIN_S = 45  # tritonserver's exit (up to its 10 s exit timeout) and a busy 2-core host
@@ -87,7 +87,7 @@ def test_sigterm_stops_the_stack_cleanly(default_model_dir: Path, tmp_path: Path
     stack = StackProcess(default_model_dir, tmp_path, ("--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
                                                        "--shutdown-grace", str(GRACE_S)), None)
     stack.start()
-    processes = {pid: Path(command_line(pid)[0]).name for pid in descendant_pids(stack.process.pid)}
+    processes = {pid: program_name(pid) for pid in descendant_pids(stack.process.pid)}
     [stub] = [pid for pid, name in processes.items() if name == "triton_python_backend_stub"]
     assert len(processes) >= 3, processes  # tritonserver, its stub, the stub's watchdog
     base_url, model = stack.stack.base_url, stack.stack.model_name
@@ -140,7 +140,7 @@ def test_sigterm_while_the_adapter_starts_stops_serve(default_model_dir: Path, t
         while "OpenAI API on" not in serve_log.read_text():
             assert stack.process.poll() is None and time.monotonic() < deadline, stack.logs()
             time.sleep(0.02)
-        processes = {pid: Path(command_line(pid)[0]).name for pid in descendant_pids(stack.process.pid)}
+        processes = {pid: program_name(pid) for pid in descendant_pids(stack.process.pid)}
         stack.process.send_signal(signal.SIGTERM)
         stack.process.wait(CLEAN_STOP_S + STOP_MARGIN_S)
     finally:
@@ -180,7 +180,7 @@ def test_sigterm_after_a_churn_with_dropped_streams_is_clean_and_fast(default_mo
                                                        str(GRACE_S)), None)
     stack.start()
     [stub] = [pid for pid in descendant_pids(stack.process.pid)
-              if Path(command_line(pid)[0]).name == "triton_python_backend_stub"]
+              if program_name(pid) == "triton_python_backend_stub"]
     try:
         result = asyncio.run(run_churn(stack.stack.base_url, stack.stack.model_name, requests=CHURN_REQUESTS,
                                        concurrency=16, seed=0))
