@@ -3,7 +3,11 @@ preemption, admission errors. Greedy references come from transformers' generate
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +312,32 @@ def test_core_loop_shutdown_aborts_what_does_not_finish_in_time(engine):
     loop.shutdown(timeout=0.2)
     assert outputs[-1].finished and outputs[-1].sequences[-1].finish_reason == "abort"
     assert_idle(engine)
+
+
+ENGINE_WITHOUT_TRITON = """
+import os, sys
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.llm_engine import LLMEngine, Request
+from tritonllm.interface.parameters import SamplingParams
+engine = LLMEngine(EngineConfig(model_path=sys.argv[1], kv_cache_memory=64 << 20, max_num_seqs=4))
+every_sampling_op = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=40, min_p=0.05,
+                                   repetition_penalty=1.2, presence_penalty=0.5, logit_bias={42: 5.0},
+                                   regex="[a-z ]+")
+engine.add_request(Request("every-op", "Tell me a story.", every_sampling_op))
+finished = False
+while engine.has_unfinished_requests():
+    finished |= any(output.finished for output in engine.step())
+modules = sorted(name for name in sys.modules if name == "triton" or name.startswith("triton."))
+print(finished, modules)
+"""
+
+
+def test_a_cpu_engine_serves_every_sampling_op_without_importing_openai_triton(default_model_dir):
+    """Its kernels cannot launch here; importing its compiler would cost each engine process ~70 MiB resident."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU host wherever this runs
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", ENGINE_WITHOUT_TRITON, str(default_model_dir)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-2] == "True []"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from tritonllm.kernels.openai_triton import tl, triton
 
 
 @triton.jit

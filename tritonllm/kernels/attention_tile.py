@@ -3,8 +3,7 @@ through a block table, and one step of the online (flash) softmax."""
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from tritonllm.kernels.openai_triton import tl, triton
 
 
 @triton.jit

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from tritonllm.kernels.attention_tile import load_paged_tile, online_softmax_step
+from tritonllm.kernels.openai_triton import tl, triton
 
 _BLOCK_N = 64  # context tokens per tile
 _SPLIT_TOKENS = 512  # context tokens per split (a multiple of _BLOCK_N): shorter contexts are not split

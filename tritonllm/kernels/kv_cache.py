@@ -4,8 +4,8 @@ mapping (slot = block * block_size + offset)."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from tritonllm.kernels.openai_triton import tl, triton
 
 
 @triton.jit

@@ -7,8 +7,8 @@ expand by B[slot]. The reference groups the tokens by slot instead (one matmul p
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from tritonllm.kernels.openai_triton import tl, triton
 
 
 @triton.jit

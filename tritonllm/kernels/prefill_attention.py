@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from tritonllm.kernels.attention_tile import load_paged_tile, online_softmax_step
 from tritonllm.kernels.decode_attention import gather_context
+from tritonllm.kernels.openai_triton import tl, triton
 
 _BLOCK_M = 32  # queries per program
 _BLOCK_N = 32  # keys per tile

@@ -6,8 +6,8 @@ gathered once per step for the batch's positions and shared by every layer."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from tritonllm.kernels.openai_triton import tl, triton
 
 
 @triton.jit

@@ -6,8 +6,8 @@ softmax normalizer of the raw logits that logprobs need)."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from tritonllm.kernels.openai_triton import tl, triton
 
 _BLOCK = 1024  # vocabulary entries per program
 

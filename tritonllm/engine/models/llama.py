@@ -107,7 +107,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArchitecture):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # given its (uninitialized) weight: load_state_dict assigns the real one, and initializing a meta tensor
+        # normally runs a torch ref that imports torch._dynamo and with it OpenAI-Triton (openai_triton.py)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.rotary: RotaryEmbedding | None = None  # set by from_pretrained on the model's device
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
