@@ -13,10 +13,6 @@ import torch
 _WHY = "OpenAI-Triton kernels run on CUDA, or on the CPU with TRITON_INTERPRET=1 set before tritonllm.kernels is imported"
 
 
-def kernels_can_run() -> bool:
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 class _UnlaunchableKernel:
     def __init__(self, function):
         self.__name__ = function.__name__
@@ -35,10 +31,10 @@ class _Absent:
         raise RuntimeError(f"triton.{name}: {_WHY}")
 
 
-if kernels_can_run():
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     import triton
     import triton.language as tl
 else:
     triton = tl = _Absent()
 
-__all__ = ["kernels_can_run", "triton", "tl"]
+__all__ = ["triton", "tl"]
