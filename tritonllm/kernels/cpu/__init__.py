@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent  # *.c (one concept each) and their headers, built into one library
 MARCH = os.environ.get("TRITONLLM_CPU_MARCH", "native")
-FLAGS = ["-O3", f"-march={MARCH}", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# avoid-fma-max-bits=0: GCC's Zen tunings (-march=native on AMD Zen 3) split some multiply-add chains into a multiply
+# and an add, and not every tile alike: a token's sums then rounded differently in a batch than alone
+FLAGS = ["-O3", f"-march={MARCH}", "--param=avoid-fma-max-bits=0", "-mprefer-vector-width=512", "-fopenmp",
+         "-shared", "-fPIC", "-std=gnu11"]
 QUANT_BLOCK = 32  # as in quant_matmul.c
 # blocks.h's bytes a block of 32 inputs (per row; its row groups' per group of GROUP_ROWS rows), and
 # a K-quant super-block's of SUPER_BLOCK (super_blocks.py)
