@@ -40,7 +40,7 @@ def dying(default_model_dir, tmp_path_factory):
 def _stubs(process: StackProcess) -> dict[int, str]:
     """The engine processes under serve: pid → instance name."""
     return {pid: argv[argv.index(INSTANCE)] for pid in descendant_pids(process.process.pid)
-            if program_name(pid) == "triton_python_backend_stub" and INSTANCE in (argv := command_line(pid))}
+            if INSTANCE in (argv := command_line(pid)) and Path(argv[0]).name == "triton_python_backend_stub"}
 
 
 def _threads(pid: int) -> int:

@@ -84,7 +84,7 @@ def _stubs(process: StackProcess) -> dict[str, int]:
     for pid in descendant_pids(process.process.pid):
         argv = command_line(pid)
         names = [arg for arg in argv if re.fullmatch(r"llm_0_\d+", arg)]
-        if argv and Path(argv[0]).name == "triton_python_backend_stub" and names:  # (one just started may have no name yet)
+        if names and Path(argv[0]).name == "triton_python_backend_stub":  # (one just started may have no name yet)
             stubs[names[0]] = pid
     return stubs
 
