@@ -186,7 +186,8 @@ class PeakMemory:
                 except (OSError, KeyError, ValueError):  # ended, or a zombie
                     continue
                 total += rss
-                self.process_peaks[pid] = (self._name(pid, status["Name"].strip()), hwm)
+                known = self.process_peaks.get(pid)
+                self.process_peaks[pid] = (known[0] if known else self._name(pid, status["Name"].strip()), hwm)
             self.peak_rss = max(self.peak_rss, total)
 
     @staticmethod
