@@ -19,6 +19,7 @@ static inline float cached(const void *row, int64_t i, int half) {
 
 typedef struct { /* one thread's scratch: a tile's queries' G heads' scores over the longest context and outputs */
     float *scores, *acc;
+    float *keys_by_dim; /* a key tile transposed: [D][KEY_TILE] (query tiles of several positions, AVX2) */
     int64_t *rows; /* each context position's element offset in the caches (for this task's kv head) */
     int64_t row_len, query_stride;
 } AttentionScratch;
@@ -29,10 +30,12 @@ static AttentionScratch scratch_for(int64_t queries, int64_t group, int64_t D, i
     /* calloc: the padding heads' weights stay 0 */
     return (AttentionScratch){calloc((size_t)(queries * padded_group * row_len), 4),
                               malloc((size_t)(queries * padded_group * D * 4)),
+                              queries > 1 ? malloc((size_t)(D * KEY_TILE * 4)) : NULL,
                               malloc((size_t)(row_len * 8)), row_len, padded_group * row_len};
 }
 
 static void free_scratch(AttentionScratch scratch) {
+    free(scratch.keys_by_dim);
     free(scratch.rows);
     free(scratch.acc);
     free(scratch.scores);
@@ -57,6 +60,130 @@ static inline __attribute__((always_inline)) void key_partials(const float *q, i
         for (int64_t j = 0; j < count; j++) partial[j][0] += q[c] * cached(keys[j], c, half);
 }
 
+#if VLEN == 8
+/* keys_by_dim [D][KEY_TILE] = the tile's `count` keys (rows[0 ..]) transposed, fp32; keys past count 0. 8 x 8
+ * blocks through registers. The next tile's `ahead` keys (rows[KEY_TILE ..]) are requested meanwhile: the cache
+ * misses of a long context's keys were most of the transpose's time. */
+static inline __attribute__((always_inline)) void transpose_key_tile(const void *k_cache, const int64_t *rows,
+                                                                     int64_t count, int64_t ahead, int64_t D,
+                                                                     float *keys_by_dim, const int half) {
+    for (int64_t j0 = 0; j0 < KEY_TILE; j0 += 8)
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            for (int64_t j = j0; d0 == 0 && j < j0 + 8 && j < ahead; j++)
+                for (int64_t byte = 0; byte < D * (half ? 2 : 4); byte += 64)
+                    __builtin_prefetch((const char *)cache_row(k_cache, rows[KEY_TILE + j], half) + byte, 0, 2);
+            __m256 r[8], u[8], w[8];
+            for (int j = 0; j < 8; j++)
+                r[j] = j0 + j < count ? (__m256)load_cached(cache_row(k_cache, rows[j0 + j], half), d0, half)
+                                      : _mm256_setzero_ps();
+            for (int j = 0; j < 8; j += 2) {
+                u[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+                u[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+            }
+            for (int j = 0; j < 8; j += 4) {
+                w[j] = _mm256_shuffle_ps(u[j], u[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+                w[j + 1] = _mm256_shuffle_ps(u[j], u[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+                w[j + 2] = _mm256_shuffle_ps(u[j + 1], u[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+                w[j + 3] = _mm256_shuffle_ps(u[j + 1], u[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+            }
+            for (int d = 0; d < 4; d++) {
+                _mm256_storeu_ps(keys_by_dim + (d0 + d) * KEY_TILE + j0, _mm256_permute2f128_ps(w[d], w[d + 4], 0x20));
+                _mm256_storeu_ps(keys_by_dim + (d0 + d + 4) * KEY_TILE + j0,
+                                 _mm256_permute2f128_ps(w[d], w[d + 4], 0x31));
+            }
+        }
+}
+
+#define SCORE_ROWS 6 /* query heads per register tile of scores: 4 x 2 vectors of keys */
+#define MAX_TILE_ROWS 256 /* a query tile's query heads taking tile_scores (more: key_partials) */
+
+/* Scores of `rows` query heads (row r's D at query[r]) against the tile's keys (keys_by_dim) from key vector k0 to
+ * k_end, to out[r] + k * VLEN, scaled: each lane l's partial sum q[l] k[l] + q[8 + l] k[8 + l] + ... in that
+ * order, then lane_sums' tree over the 8 partials, so each score has key_partials' bits, with no horizontal sum. */
+static __attribute__((noinline)) void tile_scores(const float *const *query, int64_t rows, int64_t D,
+                                                               const float *keys_by_dim, int64_t key_vectors,
+                                                               float scale, float *const *out) {
+    for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS)
+        for (int64_t k0 = 0; k0 < key_vectors; k0 += 2) {
+            const int R = rows - r0 < SCORE_ROWS ? (int)(rows - r0) : SCORE_ROWS;
+            const int K = key_vectors - k0 < 2 ? 1 : 2;
+            vf partial[8][SCORE_ROWS][2];
+            for (int l = 0; l < 8; l++) {
+                vf acc[SCORE_ROWS][2] = {{{0}}};
+                for (int64_t d = l; d < D; d += 8) {
+                    vf k_first = load(keys_by_dim + d * KEY_TILE + k0 * 8);
+                    vf k_second = load(keys_by_dim + d * KEY_TILE + k0 * 8 + 8);
+                    __asm__("" : "+v"(k_first), "+v"(k_second)); /* in registers: GCC re-read them per row */
+                    for (int r = 0; r < SCORE_ROWS; r++) {
+                        const vf q = splat(query[r0 + (r < R ? r : 0)][d]);
+                        acc[r][0] += q * k_first;
+                        acc[r][1] += q * k_second;
+                    }
+                }
+                for (int r = 0; r < SCORE_ROWS; r++) {
+                    partial[l][r][0] = acc[r][0];
+                    partial[l][r][1] = acc[r][1];
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int k = 0; k < K; k++) {
+                    const vf sum = ((partial[0][r][k] + partial[4][r][k]) + (partial[2][r][k] + partial[6][r][k])) +
+                                   ((partial[1][r][k] + partial[5][r][k]) + (partial[3][r][k] + partial[7][r][k]));
+                    store(out[r0 + r] + (k0 + k) * VLEN, sum * scale);
+                }
+        }
+}
+#define VALUE_ROWS 6 /* query heads per register tile of weighted value sums: 6 x 2 vectors */
+
+/* sums[r] (D floats) += weights[r][p] V[p] for p in [start, end) of rows (V rows: rows[p] in v_cache), each
+ * element's sum carried in p's order, as the one-query loop does: `count` query heads share each V load. */
+static inline __attribute__((always_inline)) void tile_value_sums_of(const float *const *weights, float *const *sums,
+                                                                   int64_t count, int64_t D, const void *v_cache,
+                                                                   const int64_t *rows, int64_t start, int64_t end,
+                                                                   int64_t prefetch_end, const int half) {
+    for (int64_t r0 = 0; r0 < count; r0 += VALUE_ROWS) {
+        const int R = count - r0 < VALUE_ROWS ? (int)(count - r0) : VALUE_ROWS;
+        for (int64_t c = 0; c < D; c += 2 * VLEN) {
+            vf acc[VALUE_ROWS][2];
+            const float *w_rows[VALUE_ROWS];
+            for (int r = 0; r < VALUE_ROWS; r++) {
+                w_rows[r] = weights[r0 + (r < R ? r : 0)];
+                const float *at = sums[r0 + (r < R ? r : 0)] + c;
+                acc[r][0] = load(at);
+                acc[r][1] = load(at + VLEN);
+            }
+            for (int64_t p = start; p < end; p++) {
+                const void *v = cache_row(v_cache, rows[p], half);
+                if (r0 == 0 && c == 0 && p + KEY_TILE < prefetch_end) /* the next tile's values */
+                    for (int64_t byte = 0; byte < D * (half ? 2 : 4); byte += 64)
+                        __builtin_prefetch((const char *)cache_row(v_cache, rows[p + KEY_TILE], half) + byte, 0, 2);
+                vf v_first = load_cached(v, c, half), v_second = load_cached(v, c + VLEN, half);
+                __asm__("" : "+v"(v_first), "+v"(v_second)); /* in registers, not re-read per row */
+                for (int r = 0; r < VALUE_ROWS; r++) {
+                    const vf w = splat(w_rows[r][p]);
+                    acc[r][0] += w * v_first;
+                    acc[r][1] += w * v_second;
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                store(sums[r0 + r] + c, acc[r][0]);
+                store(sums[r0 + r] + c + VLEN, acc[r][1]);
+            }
+        }
+    }
+}
+
+/* a copy per cache type, out of line: inlined into attend, the loop ran short of registers */
+static __attribute__((noinline)) void tile_value_sums(const float *const *weights, float *const *sums, int64_t count,
+                                                      int64_t D, const void *v_cache, const int64_t *rows,
+                                                      int64_t start, int64_t end, int64_t prefetch_end, int half) {
+    if (half)
+        tile_value_sums_of(weights, sums, count, D, v_cache, rows, start, end, prefetch_end, 1);
+    else
+        tile_value_sums_of(weights, sums, count, D, v_cache, rows, start, end, prefetch_end, 0);
+}
+#endif
+
 /* Query positions 0 .. queries - 1 of a tile (query i: G heads of D back to back at qs + i * q_stride) attending
  * through kv head g to the first n + i positions of a sequence (table: its blocks); query i's G heads of D go to
  * out + i * out_stride. Each query's arithmetic is the same whatever the tile (its dot products, softmax and
@@ -77,6 +204,24 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t slot = 0; slot < block_size && p < last_n; slot++, p++)
             rows[p] = ((table[block] * block_size + slot) * kv_heads + g) * D;
     for (int64_t t0 = 0; t0 < last_n; t0 += KEY_TILE) {
+#if VLEN == 8
+        if (scratch.keys_by_dim && D % (2 * VLEN) == 0 && queries * group <= MAX_TILE_ROWS) { /* several queries */
+            const int64_t count = last_n - t0 < KEY_TILE ? last_n - t0 : KEY_TILE;
+            const int64_t ahead = last_n - t0 - KEY_TILE < 0 ? 0 : last_n - t0 - KEY_TILE;
+            transpose_key_tile(k_cache, rows + t0, count, ahead < KEY_TILE ? ahead : KEY_TILE, D, scratch.keys_by_dim,
+                               half);
+            const float *query[MAX_TILE_ROWS];
+            float *out_rows[MAX_TILE_ROWS];
+            int64_t tile_rows = 0;
+            for (int64_t i = 0; i < queries; i++)
+                for (int64_t h = 0; h < group; h++, tile_rows++) {
+                    query[tile_rows] = qs + i * q_stride + h * D;
+                    out_rows[tile_rows] = scores + i * query_stride + h * row_len + t0;
+                }
+            tile_scores(query, tile_rows, D, scratch.keys_by_dim, (count + VLEN - 1) / VLEN, scale, out_rows);
+            continue;
+        }
+#endif
         for (int64_t i = 0; i < queries; i++) {
             const float *q = qs + i * q_stride;
             float *const query_scores = scores + i * query_stride;
@@ -118,6 +263,29 @@ static inline __attribute__((always_inline)) void attend(
     /* each value row read once per tile for HEAD_TILE heads of each query: their sums stay in registers over a key
      * tile's positions, in memory between tiles */
     memset(acc, 0, (size_t)(queries * padded_group * D * 4));
+#if VLEN == 8
+    if (scratch.keys_by_dim && D % (2 * VLEN) == 0 && queries * group <= MAX_TILE_ROWS) { /* several queries */
+        const float *weights[MAX_TILE_ROWS];
+        float *sums[MAX_TILE_ROWS];
+        int64_t tile_rows = 0;
+        for (int64_t i = 0; i < queries; i++)
+            for (int64_t h = 0; h < group; h++, tile_rows++) {
+                weights[tile_rows] = scores + i * query_stride + h * row_len;
+                sums[tile_rows] = acc + (i * padded_group + h) * D;
+            }
+        for (int64_t t0 = 0; t0 < last_n; t0 += KEY_TILE) {
+            /* positions every query reads, then each later query's own last ones */
+            const int64_t shared_end = t0 + KEY_TILE < n ? t0 + KEY_TILE : n, own = shared_end > t0 ? shared_end : t0;
+            tile_value_sums(weights, sums, tile_rows, D, v_cache, rows, t0, shared_end, last_n, half);
+            for (int64_t i = 1; i < queries; i++) {
+                const int64_t end = t0 + KEY_TILE < n + i ? t0 + KEY_TILE : n + i;
+                if (end > own)
+                    tile_value_sums(weights + i * group, sums + i * group, group, D, v_cache, rows, own, end, 0,
+                                    half);
+            }
+        }
+    } else
+#endif
     for (int64_t t0 = 0; t0 < last_n; t0 += KEY_TILE) {
         for (int64_t i = 0; i < queries; i++) {
             const int64_t n_i = n + i, end = t0 + KEY_TILE < n_i ? t0 + KEY_TILE : n_i;

@@ -98,14 +98,20 @@ static inline vf lane_sums(const vf *v) {
     return HALVES(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + HALVES(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 #else
-    vf z[4], w[2];
-    for (int i = 0; i < 4; i++)
-        z[i] = HALVES(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
-             + HALVES(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    /* The same tree in in-lane shuffles: z[i] = [s of v[i] | s of v[i + 4]], s_k = v[k] + v[k + 4]; w[i] = [t of
+     * v[2i], v[2i + 1] | t of v[2i + 4], v[2i + 5]], t = (s0 + s2, s1 + s3); then t0 + t1, in lane order. (GCC
+     * lowered the generic shuffles to vpermd with index registers and spilled the partial sums.) */
+    __m256 z[4], w[2];
+    for (int i = 0; i < 4; i++) {
+        const __m256 a = (__m256)v[i], b = (__m256)v[i + 4];
+        z[i] = _mm256_add_ps(_mm256_insertf128_ps(a, _mm256_castps256_ps128(b), 1),
+                             _mm256_permute2f128_ps(a, b, 0x31));
+    }
     for (int i = 0; i < 2; i++)
-        w[i] = HALVES(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
-             + HALVES(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return HALVES(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) + HALVES(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15);
+        w[i] = _mm256_add_ps(_mm256_shuffle_ps(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return (vf)_mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 #endif
 }
 
