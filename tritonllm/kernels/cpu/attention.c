@@ -102,12 +102,12 @@ static inline __attribute__((always_inline)) void transpose_key_tile(const void 
 #define SCORE_ROWS 6 /* query heads per register tile of scores: 4 x 2 vectors of keys */
 #define MAX_TILE_ROWS 512 /* a query tile's query heads taking tile_scores (more: key_partials) */
 
-/* Scores of `rows` query heads (row r's D at query[r]) against the tile's keys (keys_by_dim) from key vector k0 to
- * k_end, to out[r] + k * VLEN, scaled: each lane l's partial sum q[l] k[l] + q[8 + l] k[8 + l] + ... in that
+/* Scores of `rows` query heads (row r's D at query[r]) against the tile's keys (keys_by_dim), key vector k to
+ * out[r] + first + k * VLEN, scaled: each lane l's partial sum q[l] k[l] + q[8 + l] k[8 + l] + ... in that
  * order, then lane_sums' tree over the 8 partials, so each score has key_partials' bits, with no horizontal sum. */
 static __attribute__((noinline)) void tile_scores(const float *const *query, int64_t rows, int64_t D,
                                                                const float *keys_by_dim, int64_t key_vectors,
-                                                               float scale, float *const *out) {
+                                                               float scale, float *const *out, int64_t first) {
     for (int64_t r0 = 0; r0 < rows; r0 += SCORE_ROWS)
         for (int64_t k0 = 0; k0 < key_vectors; k0 += 2) {
             const int R = rows - r0 < SCORE_ROWS ? (int)(rows - r0) : SCORE_ROWS;
@@ -134,7 +134,7 @@ static __attribute__((noinline)) void tile_scores(const float *const *query, int
                 for (int k = 0; k < K; k++) {
                     const vf sum = ((partial[0][r][k] + partial[4][r][k]) + (partial[2][r][k] + partial[6][r][k])) +
                                    ((partial[1][r][k] + partial[5][r][k]) + (partial[3][r][k] + partial[7][r][k]));
-                    store(out[r0 + r] + (k0 + k) * VLEN, sum * scale);
+                    store(out[r0 + r] + first + (k0 + k) * VLEN, sum * scale);
                 }
         }
 }
@@ -208,22 +208,27 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t block = 0, p = 0; p < last_n; block++) /* walking the table: no division per position */
         for (int64_t slot = 0; slot < block_size && p < last_n; slot++, p++)
             rows[p] = ((table[block] * block_size + slot) * kv_heads + g) * D;
+#if VLEN == 8
+    /* several queries: their query heads' scores and value sums on register tiles, row r query r / G's head r % G */
+    const int tiled = scratch.keys_by_dim && D % (2 * VLEN) == 0 && queries * group <= MAX_TILE_ROWS;
+    const int64_t tile_rows = tiled ? queries * group : 0;
+    const float *query[MAX_TILE_ROWS];
+    float *score_rows[MAX_TILE_ROWS], *sums[MAX_TILE_ROWS];
+    for (int64_t r = 0; r < tile_rows; r++) {
+        const int64_t i = r / group, h = r % group;
+        query[r] = qs + i * q_stride + h * D;
+        score_rows[r] = scores + i * query_stride + h * row_len;
+        sums[r] = acc + (i * padded_group + h) * D;
+    }
+#endif
     for (int64_t t0 = 0; t0 < last_n; t0 += KEY_TILE) {
 #if VLEN == 8
-        if (scratch.keys_by_dim && D % (2 * VLEN) == 0 && queries * group <= MAX_TILE_ROWS) { /* several queries */
+        if (tiled) {
             const int64_t count = last_n - t0 < KEY_TILE ? last_n - t0 : KEY_TILE;
             const int64_t ahead = last_n - t0 - KEY_TILE < 0 ? 0 : last_n - t0 - KEY_TILE;
             transpose_key_tile(k_cache, rows + t0, count, ahead < KEY_TILE ? ahead : KEY_TILE, D, scratch.keys_by_dim,
                                half);
-            const float *query[MAX_TILE_ROWS];
-            float *out_rows[MAX_TILE_ROWS];
-            int64_t tile_rows = 0;
-            for (int64_t i = 0; i < queries; i++)
-                for (int64_t h = 0; h < group; h++, tile_rows++) {
-                    query[tile_rows] = qs + i * q_stride + h * D;
-                    out_rows[tile_rows] = scores + i * query_stride + h * row_len + t0;
-                }
-            tile_scores(query, tile_rows, D, scratch.keys_by_dim, (count + VLEN - 1) / VLEN, scale, out_rows);
+            tile_scores(query, tile_rows, D, scratch.keys_by_dim, (count + VLEN - 1) / VLEN, scale, score_rows, t0);
             continue;
         }
 #endif
@@ -269,15 +274,8 @@ static inline __attribute__((always_inline)) void attend(
      * tile's positions, in memory between tiles */
     memset(acc, 0, (size_t)(queries * padded_group * D * 4));
 #if VLEN == 8
-    if (scratch.keys_by_dim && D % (2 * VLEN) == 0 && queries * group <= MAX_TILE_ROWS) { /* several queries */
-        const float *weights[MAX_TILE_ROWS];
-        float *sums[MAX_TILE_ROWS];
-        int64_t tile_rows = 0;
-        for (int64_t i = 0; i < queries; i++)
-            for (int64_t h = 0; h < group; h++, tile_rows++) {
-                weights[tile_rows] = scores + i * query_stride + h * row_len;
-                sums[tile_rows] = acc + (i * padded_group + h) * D;
-            }
+    if (tiled) {
+        const float *const *weights = (const float *const *)score_rows;
         for (int64_t t0 = 0; t0 < last_n; t0 += KEY_TILE) {
             /* positions every query reads, then each later query's own last ones */
             const int64_t shared_end = t0 + KEY_TILE < n ? t0 + KEY_TILE : n, own = shared_end > t0 ? shared_end : t0;
