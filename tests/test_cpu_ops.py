@@ -442,6 +442,29 @@ def test_prefill_rows_do_not_depend_on_chunking_or_tiles(heads, kv_heads, head_d
     assert torch.equal(whole, split) and torch.equal(whole, decoded)
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (6, 2, 72)])
+def test_rows_past_a_key_split_do_not_depend_on_how_the_splits_were_shared_out(heads, kv_heads, head_dim,
+                                                                               cache_dtype):
+    """Past 512 positions a row's softmax is folded from partials over fixed ranges of 512 positions: one task
+    walking a row's ranges (a long chunk, a batch of decodes) and a task per range (a lone decode, a small chunk:
+    too few tasks for the threads) give its 1,300-position rows the same bits."""
+    k_cache, v_cache = (torch.randn(90, 16, kv_heads, head_dim).to(cache_dtype) for _ in range(2))
+    tables = torch.randperm(90)[:82].view(1, 82)
+    q = torch.randn(320, heads, head_dim) * 3  # positions 980 .. 1299
+    scale, i32 = head_dim ** -0.5, lambda *values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    chunk = cpu.prefill_attention(q, k_cache, v_cache, i32(0), i32(320), i32(1300), tables, scale)
+    small_chunk = cpu.prefill_attention(q[-4:], k_cache, v_cache, i32(0), i32(4), i32(1300), tables, scale)
+    batched = cpu.paged_decode_attention(q, k_cache, v_cache, tables.expand(320, -1),
+                                         torch.arange(981, 1301, dtype=torch.int32), scale)
+    alone = [cpu.paged_decode_attention(q[row:row + 1], k_cache, v_cache, tables, i32(981 + row), scale)[0]
+             for row in (0, 43, 319)]
+    assert torch.equal(chunk, batched) and torch.equal(chunk[-4:], small_chunk)
+    assert all(torch.equal(chunk[row], decoded) for row, decoded in zip((0, 43, 319), alone))
+    torch.testing.assert_close(chunk, prefill_attention_reference(q, k_cache, v_cache, i32(0), i32(320), i32(1300),
+                                                                  tables, scale), **CLOSE)
+
+
 def test_the_engine_ops_use_them_on_float32_cpu_tensors(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu._library, "silu_and_mul", lambda *args: calls.append(args))
