@@ -162,70 +162,74 @@ def test_super_block_matmul_rows_do_not_depend_on_the_batch(qtype):
             assert torch.equal(op(x[start:start + size], blocks), together[start:start + size])
 
 
-def _q8_activations(x: torch.Tensor):
+def _q8_activations(x: torch.Tensor, levels: int = 2):
     """Each token's inputs per block of 32 as the ops' two-level int8 codes: q1 = round(x · 127 / absmax) (llama.cpp's
-    Q8_1, ties to even), q2 = round(256 · (x · 127 / absmax - q1)) within ±127; the codes 256 q1 + q2, the scale
-    dx / 256 = absmax / (127 · 256) and sx = dx / 256 · Σ codes, in float32 as the op computes them."""
+    Q8_1, ties to even), q2 = round(256 · (x · 127 / absmax - q1)) within ±127 (one level: 0); the codes 256 q1 + q2,
+    the scale dx / 256 = absmax / (127 · 256) and sx = dx / 256 · Σ codes, in float32 as the op computes them."""
     blocks = x.reshape(x.shape[0], -1, 32)
     absmax = blocks.abs().amax(dim=-1, keepdim=True)
     inverse = torch.where(absmax > 0, torch.tensor(127.0) / absmax, torch.tensor(0.0))
     scaled = blocks * inverse
     first = torch.round(scaled)
-    second = torch.round((scaled - first) * 256).clamp(-127, 127)
+    second = torch.round((scaled - first) * 256).clamp(-127, 127) * (levels == 2)
     codes = 256 * first + second
     scales = absmax / (127 * 256)
     return codes, scales, scales * codes.sum(dim=-1, keepdim=True)
 
 
 def _q8_activation_reference(x: torch.Tensor, codes_w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                             block: int = 32):
+                             block: int = 32, levels: int = 2):
     """Σ_b dw·(dx / 256)·(Σ code products) (+ mw·sx), weight scales d per `block` inputs (32, or Q6_K's 16), in
     float64: the int8-activation ops' numerics up to float32 rounding of the scaled sums."""
-    codes, scales, sums = (t.double() for t in _q8_activations(x))
+    codes, scales, sums = (t.double() for t in _q8_activations(x, levels))
     codes = codes.reshape(x.shape[0], -1, block)
     products = torch.einsum("tbk,nbk->tnb", codes, codes_w.double().reshape(codes_w.shape[0], -1, block))
     y = (products * (scales[..., 0].repeat_interleave(32 // block, 1)[:, None, :] * d.double()[None])).sum(-1)
     return y if m is None else y + sums[..., 0] @ m.double().T
 
 
-def _assert_within_the_second_levels_step(ours: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+def _assert_within_the_codes_step(ours: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, levels: int) -> None:
     """Against fp32 activations: off by at most Σ |w| · dx / 256 (each input to within its block's dx / 256; a
-    second code clamped at ±127 from 128 by as much)."""
+    second code clamped at ±127 from 128 by as much); with one level Σ |w| · dx / 2."""
     step = x.reshape(x.shape[0], -1, 32).abs().amax(-1).double().repeat_interleave(32, 1) / (127 * 256)
+    step = step if levels == 2 else step * 128
     bound = step @ dense.double().abs().T
     error = (ours.double() - x.double() @ dense.double().T).abs()
     assert (error <= bound + 1e-5).all(), (error - bound).max()
 
 
+@pytest.mark.parametrize("levels", [2, 1])
 @pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize("rows, width", [(4, 32), (7, 96), (960, 576), (577, 1536)])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 70])
-def test_q4_q8_and_q5_q8_matmuls_are_scale_min_blocks_by_two_level_int8_activations(bits, rows, width, tokens):
+def test_q4_q8_and_q5_q8_matmuls_are_scale_min_blocks_by_int8_activations(bits, rows, width, tokens, levels):
     q = torch.randint(0, 1 << bits, (rows, width), dtype=torch.uint8)
     d, m = (torch.rand(rows, width // 32) * 0.02).half(), (-torch.rand(rows, width // 32) * 0.1).half()
     packed = (cpu.pack_q4_rows if bits == 4 else cpu.pack_q5_rows)(q, d, m)
     x = torch.randn(tokens, width)
     if width > 32:
         x[-1, -32:] = 0  # an all-zero block: dx = 0, codes 0
-    ours = (cpu.q4_q8_matmul if bits == 4 else cpu.q5_q8_matmul)(x, packed, rows)
-    expected = _q8_activation_reference(x, q, d.float(), m.float())
+    ours = (cpu.q4_q8_matmul if bits == 4 else cpu.q5_q8_matmul)(x, packed, rows, levels)
+    expected = _q8_activation_reference(x, q, d.float(), m.float(), levels=levels)
     torch.testing.assert_close(ours.double(), expected, atol=1e-4, rtol=1e-4)
     dense = d.float().repeat_interleave(32, 1) * q + m.float().repeat_interleave(32, 1)
-    _assert_within_the_second_levels_step(ours, x, dense)
+    _assert_within_the_codes_step(ours, x, dense, levels)
 
 
+@pytest.mark.parametrize("levels", [2, 1])
 @pytest.mark.parametrize("rows, width", [(4, 32), (577, 576)])
 @pytest.mark.parametrize("tokens", [1, 70])
-def test_q8_q8_matmul_is_q8_0_blocks_by_two_level_int8_activations(rows, width, tokens):
+def test_q8_q8_matmul_is_q8_0_blocks_by_int8_activations(rows, width, tokens, levels):
     dense = _q8(rows, width)
     packed = cpu.pack_q8_exact(dense)
     blocks = dense.reshape(rows, -1, 32)
     d = packed[..., :2].contiguous().view(torch.float16)[..., 0].float()
     codes_w = torch.where(d[..., None] == 0, 0.0, blocks / d[..., None]).reshape(rows, width)
     x = torch.randn(tokens, width)
-    ours = cpu.q8_q8_matmul(x, cpu.pack_q8_rows(packed), rows)
-    torch.testing.assert_close(ours.double(), _q8_activation_reference(x, codes_w, d, None), atol=1e-4, rtol=1e-4)
-    _assert_within_the_second_levels_step(ours, x, dense)
+    ours = cpu.q8_q8_matmul(x, cpu.pack_q8_rows(packed), rows, levels)
+    torch.testing.assert_close(ours.double(), _q8_activation_reference(x, codes_w, d, None, levels=levels),
+                               atol=1e-4, rtol=1e-4)
+    _assert_within_the_codes_step(ours, x, dense, levels)
 
 
 # a K-quant's row groups: (pack, op, bytes and inputs a unit, the reference's weight codes and scales, their span)
@@ -237,10 +241,11 @@ SUPER_BLOCK_ROWS = {
 }
 
 
+@pytest.mark.parametrize("levels", [2, 1])
 @pytest.mark.parametrize("qtype", SUPER_BLOCK_ROWS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows, width", [(4, 256), (17, 512), (577, 1536)])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 9, 70])
-def test_q6_q8_and_q4_k_q8_matmuls_are_k_quant_blocks_by_two_level_int8_activations(qtype, rows, width, tokens):
+def test_q6_q8_and_q4_k_q8_matmuls_are_k_quant_blocks_by_int8_activations(qtype, rows, width, tokens, levels):
     pack, op, unit_bytes, unit_inputs, codes_and_scales, span = SUPER_BLOCK_ROWS[qtype]
     blocks, dense = _super_blocks(qtype, rows, width)
     packed = pack(blocks)
@@ -248,14 +253,15 @@ def test_q6_q8_and_q4_k_q8_matmuls_are_k_quant_blocks_by_two_level_int8_activati
     codes, d, m = codes_and_scales(blocks)
     x = torch.randn(tokens, width)
     x[-1, :32] = 0  # an all-zero block: dx = 0, codes 0
-    ours = op(x, packed, rows)
-    expected = _q8_activation_reference(x, codes, d, m, block=span)
+    ours = op(x, packed, rows, levels)
+    expected = _q8_activation_reference(x, codes, d, m, block=span, levels=levels)
     torch.testing.assert_close(ours.double(), expected, atol=1e-4, rtol=1e-4)
-    _assert_within_the_second_levels_step(ours, x, dense)
+    _assert_within_the_codes_step(ours, x, dense, levels)
 
 
+@pytest.mark.parametrize("levels", [2, 1])
 @pytest.mark.parametrize("op", ["q4_q8_matmul", "q5_q8_matmul", "q8_q8_matmul", "q6_q8_matmul", "q4_k_q8_matmul"])
-def test_int8_activation_rows_do_not_depend_on_the_batch(op):
+def test_int8_activation_rows_do_not_depend_on_the_batch(op, levels):
     width = 512 if op in ("q6_q8_matmul", "q4_k_q8_matmul") else 576
     if op in ("q4_q8_matmul", "q5_q8_matmul"):  # 131 rows: a last group of 3 real rows and 13 padding ones
         q = torch.randint(0, 16 if op == "q4_q8_matmul" else 32, (131, 576), dtype=torch.uint8)
@@ -269,10 +275,11 @@ def test_int8_activation_rows_do_not_depend_on_the_batch(op):
         packed = cpu.pack_q4_k_rows(_super_blocks(Type.Q4_K, 131, 512)[0])
     x = torch.randn(37, width)
     x[5] *= 50  # a loud token changes nothing for the others: each token's blocks have their own scales
-    together = getattr(cpu, op)(x, packed, 131)
+    together = getattr(cpu, op)(x, packed, 131, levels)
     for size in (1, 2, 3, 4, 5, 9):
         for start in range(0, len(x) - size + 1, 7):
-            assert torch.equal(getattr(cpu, op)(x[start:start + size], packed, 131), together[start:start + size])
+            assert torch.equal(getattr(cpu, op)(x[start:start + size], packed, 131, levels),
+                               together[start:start + size])
 
 
 def test_row_groups_are_packed_alike_in_any_number_of_steps(monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.core import model_runner
 from tritonllm.engine.core.model_runner import load_model
-from tritonllm.engine.layers.linear import cpu_has_bf16
+from tritonllm.engine.layers.linear import Choice, cpu_has_bf16
 from tritonllm.engine.llm_engine import LLMEngine
 from tritonllm.interface.parameters import SamplingParams
 from tritonllm.kernels.prefill_attention import prefill_attention_reference
@@ -204,4 +204,4 @@ def test_bf16_prompts_are_refused_with_bf16_activations_and_without_bf16_hardwar
 def test_auto_takes_bf16_prompts_on_cpus_with_bf16_hardware_only(bf16_hardware, needs_copy, activations, expected,
                                                                    monkeypatch):
     monkeypatch.setattr(model_runner, "cpu_has_bf16", lambda: bf16_hardware)
-    assert model_runner.prefill_dtype("auto", activations, needs_copy) == expected
+    assert model_runner.prefill_dtype("auto", Choice("int4", activations, "cpu_ops"), needs_copy) == expected

@@ -15,7 +15,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # tritonllm/engine/core/scheduler.py
 # tritonllm/engine/layers/linear.py says what each is
 WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "int4-q8")
 KV_CACHE_DTYPES = ("auto", "float16")  # tritonllm/engine/core/model_runner.py: kv_cache_dtype
-PREFILL_DTYPES = ("auto", "float32", "bfloat16")  # tritonllm/engine/layers/prompt_rows.py
+PREFILL_DTYPES = ("auto", "float32", "bfloat16", "int8")  # tritonllm/engine/layers/prompt_rows.py
 # llama.cpp's block types an HF checkpoint may be quantized to at load (tritonllm/engine/models/weights.py)
 QUANTIZATIONS = ("none", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k")
 
@@ -80,8 +80,10 @@ class EngineConfig:
                                          "would give), bfloat16 (their projections and attention on the CPU's bf16 "
                                          "matrix units, AMX or AVX512-BF16: prompts several times faster, their "
                                          "inputs rounded to bf16; projections of a GGUF's blocks read the blocks, "
-                                         "others keep bf16 weights beside the format's, 2 bytes a weight), or "
-                                         "auto: bfloat16 on CPUs with AMX or AVX512-BF16 and float32 activations "
+                                         "others keep bf16 weights beside the format's, 2 bytes a weight), int8 "
+                                         "(int4-q8's kernels with one level of int8 codes for their inputs, "
+                                         "llama.cpp's numerics, where decode rows take two: half the integer work), "
+                                         "or auto: bfloat16 on CPUs with AMX or AVX512-BF16 and float32 activations "
                                          "unless that needs a copy of a GGUF read as its blocks alone, else "
                                          "float32",
                                  choices=PREFILL_DTYPES)

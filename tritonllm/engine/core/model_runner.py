@@ -94,7 +94,7 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     if device.type != "cpu":
         if config.weight_format not in ("auto", str(dtype).removeprefix("torch.")):
             raise ValueError(f"weight_format {config.weight_format} runs on the CPU only")
-        if config.prefill_dtype == "bfloat16":
+        if config.prefill_dtype in ("bfloat16", "int8"):
             raise ValueError(f"prefill_dtype {config.prefill_dtype} is for the CPU engine (on CUDA prompts compute "
                              "in the activations' dtype)")
         return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
@@ -115,11 +115,11 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
                  "memory available)", layers)
     choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
     prompts_on_blocks = choice.blocks and cpu_ops.has_bf16_ops()  # (Projection's)
-    prefill = prefill_dtype(config.prefill_dtype, choice.dtype, blocks_alone and not prompts_on_blocks)
+    prefill = prefill_dtype(config.prefill_dtype, choice, blocks_alone and not prompts_on_blocks)
     if prefill == torch.bfloat16:
         arch = model.arch
         prefill_attention_bf16.warm_up(arch.num_heads, arch.num_kv_heads, arch.head_dim)
-    prompts = "" if prefill == torch.float32 else ", bfloat16 prompts"
+    prompts = "" if prefill == torch.float32 else f", {str(prefill).removeprefix('torch.')} prompts"
     quantized = "" if config.quantization == "none" else f", quantized at load to {config.quantization}"
     return in_format(model, choice, prefill, last_use=True), choice.describe() + prompts + quantized
 
@@ -146,11 +146,18 @@ def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     return torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape)  # (it keeps the mapping)
 
 
-def prefill_dtype(requested: str, activations: torch.dtype, needs_copy: bool) -> torch.dtype:
+def prefill_dtype(requested: str, choice: Choice, needs_copy: bool) -> torch.dtype:
     """What the CPU engine's prompt rows compute in (engine/layers/prompt_rows.py). auto takes bf16 where it was
     measured to win (long prompts: AMX 3-4x faster, AVX512-BF16 alone 2.2-2.6x) and keeps every greedy continuation
     of the accuracy set (tests/test_weight_formats.py), but not where it `needs_copy`, a bf16 copy of weights read as
-    a GGUF's blocks alone (whose point is no dense copy): the CPU ops run prompts on the blocks themselves."""
+    a GGUF's blocks alone (whose point is no dense copy): the CPU ops run prompts on the blocks themselves. int8: one
+    level of int8 codes for the prompt rows of weights whose kernels quantize their inputs (int4-q8)."""
+    activations = choice.dtype
+    if requested == "int8":
+        if not choice.int8_activations:
+            raise ValueError(f"prefill_dtype=int8 is for weights whose kernels quantize their inputs to int8 codes "
+                             f"(weight_format int4-q8), not {choice.describe()}")
+        return torch.int8
     if requested == "auto":
         native = activations == torch.float32 and cpu_has_bf16() and onednn_available() and not needs_copy
         return torch.bfloat16 if native else torch.float32

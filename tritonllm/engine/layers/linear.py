@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.engine.config import WEIGHT_FORMATS
-from tritonllm.engine.layers.prompt_rows import matmul_dtype
+from tritonllm.engine.layers.prompt_rows import activation_levels, matmul_dtype
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.kernels.cpu import super_blocks
 
@@ -360,7 +360,7 @@ class Q4Projection(Projection):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            return cpu_ops.q4_q8_matmul(x, self.packed, self.rows)
+            return cpu_ops.q4_q8_matmul(x, self.packed, self.rows, activation_levels())
         return cpu_ops.q4_matmul(x, self.packed)
 
 
@@ -384,7 +384,7 @@ class Int5Projection(Projection):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            return cpu_ops.q5_q8_matmul(x, self.packed, self.rows)
+            return cpu_ops.q5_q8_matmul(x, self.packed, self.rows, activation_levels())
         return cpu_ops.q5_1_matmul(x, self.packed)
 
 
@@ -407,7 +407,7 @@ class Q8Projection(Projection):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            return cpu_ops.q8_q8_matmul(x, self.packed, self.rows)
+            return cpu_ops.q8_q8_matmul(x, self.packed, self.rows, activation_levels())
         return cpu_ops.q8_matmul(x, self.packed)
 
 
@@ -450,7 +450,7 @@ class SuperBlockRowsProjection(Projection):
         return None if self.bias is not None else [(self.kind, self.packed, self.rows)]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.packed, self.rows)
+        return self.op(x, self.packed, self.rows, activation_levels())
 
 
 class SuperBlockProjection(Projection):

@@ -58,11 +58,11 @@ SIGNATURES = {
     "q5_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "q6_k_matmul": [_p, _i64, _i64, _p, _i64, _p],
     "dequantize_blocks": [_i64, _p, _i64, _i64, _p],
-    "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
-    "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
-    "q6_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
-    "q5_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
-    "q4_k_q8_matmul": [_p, _i64, _i64, _p, _i64, _p],
+    "q4_q8_matmul": [_p, _i64, _i64, _p, _i64, _p, _i64],
+    "q8_q8_matmul": [_p, _i64, _i64, _p, _i64, _p, _i64],
+    "q6_q8_matmul": [_p, _i64, _i64, _p, _i64, _p, _i64],
+    "q5_q8_matmul": [_p, _i64, _i64, _p, _i64, _p, _i64],
+    "q4_k_q8_matmul": [_p, _i64, _i64, _p, _i64, _p, _i64],
     "paged_decode_attention": [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _f32, _p, _i64],
     "paged_prefill_attention": [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _f32, _p,
                                 _i64],
@@ -338,9 +338,11 @@ def _checked_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int |
 
 
 def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int, block_bytes: int,
-                  group_rows: int = 1, block_inputs: int = QUANT_BLOCK) -> torch.Tensor:
+                  group_rows: int = 1, block_inputs: int = QUANT_BLOCK, levels: int | None = None) -> torch.Tensor:
     """x [tokens, in] float32 @ weights [rows, in].T in blocks of `block_bytes` per `block_inputs` inputs, per row or
-    (for the int8-activation ops) per group of `group_rows` rows."""
+    (for the int8-activation ops, with their `levels` of codes) per group of `group_rows` rows."""
+    if levels not in (None, 1, 2):
+        raise ValueError(f"levels: 1 or 2, not {levels}")
     _checked(x, "x", torch.float32, (None, None))
     if x.shape[1] % block_inputs:
         raise ValueError(f"x: {x.shape[1]} inputs, not a multiple of {block_inputs}")
@@ -349,7 +351,7 @@ def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int, block_by
         raise ValueError("weights: not contiguous (pack them once, at load)")
     x = x.contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr())
+    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr(), *([] if levels is None else [levels]))
     return out
 
 
@@ -459,33 +461,34 @@ def block_matmul_bf16(x: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]
     return out[:tokens]
 
 
-def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+def q4_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int = 2) -> torch.Tensor:
     """x [tokens, in] float32 @ the weights [rows, in].T that pack_q4_rows packed, with each token's x quantized per
     block of 32 to two levels of int8 codes first (q1 = round(x / dx) with dx the block's absmax / 127, llama.cpp's
     Q8_1; q2 = round(256 (x / dx − q1)) within ±127; sx = dx / 256 · Σ (256 q1 + q2)):
-    Σ_b dw·(dx / 256)·(the block's products of 256 q1 + q2, summed exactly) + mw·sx."""
-    return _block_matmul(_library.q4_q8_matmul, x, packed, rows, Q4_GROUP_BYTES, GROUP_ROWS)
+    Σ_b dw·(dx / 256)·(the block's products of 256 q1 + q2, summed exactly) + mw·sx. levels 1: q2 = 0 (llama.cpp's
+    numerics; half the integer work)."""
+    return _block_matmul(_library.q4_q8_matmul, x, packed, rows, Q4_GROUP_BYTES, GROUP_ROWS, levels=levels)
 
 
-def q5_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+def q5_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int = 2) -> torch.Tensor:
     """As q4_q8_matmul over pack_q5_rows's weights (5-bit codes)."""
-    return _block_matmul(_library.q5_q8_matmul, x, packed, rows, Q5_GROUP_BYTES, GROUP_ROWS)
+    return _block_matmul(_library.q5_q8_matmul, x, packed, rows, Q5_GROUP_BYTES, GROUP_ROWS, levels=levels)
 
 
-def q4_k_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+def q4_k_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int = 2) -> torch.Tensor:
     """As q4_q8_matmul over pack_q4_k_rows's weights (Q4_K's exact d', m')."""
-    return _block_matmul(_library.q4_k_q8_matmul, x, packed, rows, Q4_K_GROUP_BYTES, GROUP_ROWS, SUPER_BLOCK)
+    return _block_matmul(_library.q4_k_q8_matmul, x, packed, rows, Q4_K_GROUP_BYTES, GROUP_ROWS, SUPER_BLOCK, levels=levels)
 
 
-def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int = 2) -> torch.Tensor:
     """As q4_q8_matmul over pack_q8_rows's weights (Σ_b dw·dx·Σ code products)."""
-    return _block_matmul(_library.q8_q8_matmul, x, packed, rows, Q8_GROUP_BYTES, GROUP_ROWS)
+    return _block_matmul(_library.q8_q8_matmul, x, packed, rows, Q8_GROUP_BYTES, GROUP_ROWS, levels=levels)
 
 
-def q6_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int) -> torch.Tensor:
+def q6_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int = 2) -> torch.Tensor:
     """As q4_q8_matmul over pack_q6_k_rows's weights: Σ per 16 inputs d'·(dx / 256)·(Σ q·code − 32 Σ code), q the
     unsigned 6-bit weight codes, code = 256 q1 + q2."""
-    return _block_matmul(_library.q6_q8_matmul, x, packed, rows, Q6_GROUP_BYTES, GROUP_ROWS)
+    return _block_matmul(_library.q6_q8_matmul, x, packed, rows, Q6_GROUP_BYTES, GROUP_ROWS, levels=levels)
 
 
 def sample_tokens(logits: torch.Tensor, raw: torch.Tensor, inverse_temperatures: torch.Tensor,

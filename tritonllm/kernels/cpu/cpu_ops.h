@@ -26,11 +26,16 @@ void q4_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, i
 void q5_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 void q6_k_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
 int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64_t K, float *w);
-void q4_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
-void q8_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
-void q6_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
-void q5_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
-void q4_k_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y);
+void q4_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y,
+                  int64_t levels);
+void q8_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y,
+                  int64_t levels);
+void q6_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y,
+                  int64_t levels);
+void q5_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y,
+                  int64_t levels);
+void q4_k_q8_matmul(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y,
+                    int64_t levels);
 
 void paged_decode_attention(const float *q, int64_t q_stride, int64_t S, int64_t H, int64_t D,
                             const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,

@@ -18,18 +18,40 @@ typedef struct {
 } DecoderLayer;
 
 typedef void (*BlockMatmul)(const float *, int64_t, int64_t, const uint8_t *, int64_t, float *);
+typedef void (*Int8BlockMatmul)(const float *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t);
 
-static BlockMatmul block_matmul(int64_t kind, int64_t int8_activations) {
+static BlockMatmul block_matmul(int64_t kind) {
     switch (kind) {
-    case INT4_BLOCKS: return int8_activations ? q4_q8_matmul : q4_matmul;
-    case Q8_0_BLOCKS: return int8_activations ? q8_q8_matmul : q8_matmul;
-    case Q6_K_BLOCKS: return int8_activations ? q6_q8_matmul : q6_k_matmul;
-    case INT5_BLOCKS: return int8_activations ? q5_q8_matmul : q5_1_matmul;
-    case Q4_K_BLOCKS: return int8_activations ? q4_k_q8_matmul : q4_k_matmul;
-    /* with int8 activations these run as int5 row groups instead */
+    case INT4_BLOCKS: return q4_matmul;
+    case Q8_0_BLOCKS: return q8_matmul;
+    case Q6_K_BLOCKS: return q6_k_matmul;
+    case INT5_BLOCKS: return q5_1_matmul;
+    case Q4_K_BLOCKS: return q4_k_matmul;
     case Q5_0_BLOCKS: return q5_matmul;
     default: return q5_k_matmul;
     }
+}
+
+/* with int8 activations (none for Q5_0, Q5_K: those run as int5 row groups then) */
+static Int8BlockMatmul int8_block_matmul(int64_t kind) {
+    switch (kind) {
+    case INT4_BLOCKS: return q4_q8_matmul;
+    case Q8_0_BLOCKS: return q8_q8_matmul;
+    case Q6_K_BLOCKS: return q6_q8_matmul;
+    case INT5_BLOCKS: return q5_q8_matmul;
+    case Q4_K_BLOCKS: return q4_k_q8_matmul;
+    default: return NULL;
+    }
+}
+
+/* a part's rows; decode rows' int8 activations take two levels */
+static void part_matmul(const ProjectionPart *part, const float *x, int64_t T, int64_t K, int64_t N, float *y,
+                        int64_t int8_activations) {
+    const Int8BlockMatmul int8_op = int8_activations ? int8_block_matmul(part->kind) : NULL;
+    if (int8_op)
+        int8_op(x, T, K, part->blocks, N, y, 2);
+    else
+        block_matmul(part->kind)(x, T, K, part->blocks, N, y);
 }
 
 /* y [T][N] = x [T][K] through a projection's parts, each part's outputs side by side (through scratch [T][rows]
@@ -37,12 +59,12 @@ static BlockMatmul block_matmul(int64_t kind, int64_t int8_activations) {
 static void project(const ProjectionPart *parts, const float *x, int64_t T, int64_t K, int64_t N, float *y,
                     float *scratch, int64_t int8_activations) {
     if (parts[0].rows == N) {
-        block_matmul(parts[0].kind, int8_activations)(x, T, K, parts[0].blocks, N, y);
+        part_matmul(parts, x, T, K, N, y, int8_activations);
         return;
     }
     for (int64_t p = 0, offset = 0; p < 3 && parts[p].rows; offset += parts[p].rows, p++) {
         const int64_t rows = parts[p].rows;
-        block_matmul(parts[p].kind, int8_activations)(x, T, K, parts[p].blocks, rows, scratch);
+        part_matmul(parts + p, x, T, K, rows, scratch, int8_activations);
         for (int64_t t = 0; t < T; t++) memcpy(y + t * N + offset, scratch + t * rows, (size_t)(rows * 4));
     }
 }

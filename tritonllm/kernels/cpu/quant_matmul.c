@@ -211,8 +211,9 @@ static inline int32_t sum_lanes(__m256i v) {
     return _mm_cvtsi128_si32(t4);
 }
 
-/* One token's K inputs (K a multiple of 32) as codes of both levels, scales and sums of codes. */
-static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float *d, int32_t *sum,
+/* One token's K inputs (K a multiple of 32) as codes of both levels (one: the second's codes 0), scales and sums of
+ * codes. */
+static void quantize_q8(const float *x, int64_t K, int levels, int8_t *q1, int8_t *q2, float *d, int32_t *sum,
                         int32_t *first_half) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     /* q2 within ±127 (256 · 0.5 rounds to 128): a sign flip of -128 (the AVX2 Q8_0 path's) would overflow */
@@ -232,8 +233,9 @@ static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float
             const __m256 scaled = _mm256_mul_ps(v[i], _mm256_set1_ps(inverse));
             first[i] = _mm256_cvtps_epi32(scaled);
             const __m256 left = _mm256_sub_ps(scaled, _mm256_cvtepi32_ps(first[i])); /* exact: |left| <= 0.5 */
-            second[i] = _mm256_max_epi32(_mm256_min_epi32(
-                _mm256_cvtps_epi32(_mm256_mul_ps(left, _mm256_set1_ps((float)SECOND_LEVEL))), top), bottom);
+            second[i] = levels == 1 ? _mm256_setzero_si256()
+                                    : _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(
+                                                           left, _mm256_set1_ps((float)SECOND_LEVEL))), top), bottom);
             total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(first[i], SECOND_LEVEL_BITS),
                                                              second[i]));
             if (i == 1) first_half[b] = sum_lanes(total);
@@ -245,7 +247,7 @@ static void quantize_q8(const float *x, int64_t K, int8_t *q1, int8_t *q2, float
     }
 }
 
-static Q8Activations quantize_rows(const float *x, int64_t T, int64_t K) {
+static Q8Activations quantize_rows(const float *x, int64_t T, int64_t K, int levels) {
     const int64_t blocks = K / QUANT_BLOCK;
     const size_t code_bytes = (size_t)((T * K + 63) / 64 * 64);
     const size_t per_block = (size_t)(T * blocks * 4);
@@ -253,7 +255,7 @@ static Q8Activations quantize_rows(const float *x, int64_t T, int64_t K) {
                              malloc(per_block), malloc(per_block)};
 #pragma omp parallel for schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++)
-        quantize_q8(x + t * K, K, a.q1 + t * K, a.q2 + t * K, a.d + t * blocks, a.sum + t * blocks,
+        quantize_q8(x + t * K, K, levels, a.q1 + t * K, a.q2 + t * K, a.d + t * blocks, a.sum + t * blocks,
                     a.first_half + t * blocks);
     return a;
 }
@@ -408,24 +410,27 @@ static inline rows_t level_sum(const rows_t *w, int chunks, const int8_t *x, int
 }
 
 /* 256 Σ w q1 + Σ w q2 per row over CHUNKS chunks (int4, int5, Q8_0: at most 32 · 255 · 127 · 257; Q6_K: 16 · 63 ·
- * 127 · 257, 32 Σ x back: within int32). */
-static inline rows_t two_level_sum(const rows_t *w, int chunks, const int8_t *x1, const int8_t *x2, int codes) {
+ * 127 · 257, 32 Σ x back: within int32); with one level q2 is 0, its products skipped. */
+static inline rows_t two_level_sum(const rows_t *w, int chunks, const int8_t *x1, const int8_t *x2, int codes,
+                                   int levels) {
     const rows_t first = RV(slli_epi32)(level_sum(w, chunks, x1, codes), SECOND_LEVEL_BITS);
-    return RV(add_epi32)(first, level_sum(w, chunks, x2, codes));
+    return levels == 1 ? first : RV(add_epi32)(first, level_sum(w, chunks, x2, codes));
 }
 
 /* One token's block of 32: acc + (d dx / 256) Σ + m sx (sx = dx / 256 · Σ x). */
 static inline sums_t scale_min_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
-                                     int codes) {
-    const rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, codes);
+                                     int codes, int levels) {
+    const rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, codes, levels);
     acc = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(s.first, RV(set1_ps)(x.d[at])), acc);
     return RV(fmadd_ps)(s.second, RV(set1_ps)(x.d[at] * (float)x.sum[at]), acc);
 }
-static inline sums_t q4_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
-    return scale_min_token(w, s, x, at, acc, NIBBLE_CODES);
+static inline sums_t q4_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
+                                     int levels) {
+    return scale_min_token(w, s, x, at, acc, NIBBLE_CODES, levels);
 }
-static inline sums_t q5_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
-    return scale_min_token(w, s, x, at, acc, WIDE_CODES);
+static inline sums_t q5_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
+                                     int levels) {
+    return scale_min_token(w, s, x, at, acc, WIDE_CODES, levels);
 }
 
 /* Q4_K's super-blocks: d' = d·sc and m' = −dmin·mn of block j, exact in fp32 (gguf's numbers); its codes are int4's */
@@ -438,32 +443,36 @@ static inline RowScales q4_k_groups_scales(const uint8_t *unit, int j, int64_t h
 #define q4_k_groups_rows q4_groups_rows
 #define q4_k_groups_token q4_groups_token
 /* acc + (d dx / 256) Σ */
-static inline sums_t q8_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
-    rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, Q8_0_CODES);
+static inline sums_t q8_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
+                                     int levels) {
+    rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, Q8_0_CODES, levels);
 #if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
     sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x.sum[at])); /* Σ (w + 128) x − 128 Σ x */
 #endif
     return RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(s.first, RV(set1_ps)(x.d[at])), acc);
 }
 /* acc + Σ over the block's two 16s of (d' dx / 256) (Σ q x − 32 Σ x), q the unsigned 6-bit code */
-static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc) {
+static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
+                                     int levels) {
     const int8_t *x1 = x.q1 + at * QUANT_BLOCK, *x2 = x.q2 + at * QUANT_BLOCK;
     const int32_t x_sums[2] = {x.first_half[at], x.sum[at] - x.first_half[at]};
     const sums_t scales[2] = {s.first, s.second};
     for (int h = 0; h < 2; h++) {
-        const rows_t sum = RV(sub_epi32)(two_level_sum(w + 4 * h, 4, x1 + 16 * h, x2 + 16 * h, WIDE_CODES),
+        const rows_t sum = RV(sub_epi32)(two_level_sum(w + 4 * h, 4, x1 + 16 * h, x2 + 16 * h, WIDE_CODES, levels),
                                          RV(set1_epi32)(32 * x_sums[h]));
         acc = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(scales[h], RV(set1_ps)(x.d[at])), acc);
     }
     return acc;
 }
 
-/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row], block by block (FORMAT_token). */
-#define ROWS_TILE_(NAME, VECTORS, TOKENS) NAME##_rows_##VECTORS##x##TOKENS
-#define ROWS_TILE(NAME, VECTORS, TOKENS) ROWS_TILE_(NAME, VECTORS, TOKENS)
-#define ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, VECTORS, TOKENS)                               \
-    static inline void ROWS_TILE(NAME, VECTORS, TOKENS)(const uint8_t *weights, int64_t blocks, Q8Activations x, \
-                                                        int64_t K, int64_t v0, int64_t t0, float *y, int64_t N) { \
+/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row], block by block (FORMAT_token), with
+ * LEVELS levels of activation codes. */
+#define ROWS_TILE_(NAME, VECTORS, TOKENS, LEVELS) NAME##_rows_##VECTORS##x##TOKENS##_##LEVELS
+#define ROWS_TILE(NAME, VECTORS, TOKENS, LEVELS) ROWS_TILE_(NAME, VECTORS, TOKENS, LEVELS)
+#define ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, VECTORS, TOKENS, LEVELS)                       \
+    static inline void ROWS_TILE(NAME, VECTORS, TOKENS, LEVELS)(const uint8_t *weights, int64_t blocks,         \
+                                                                Q8Activations x, int64_t K, int64_t v0,         \
+                                                                int64_t t0, float *y, int64_t N) {              \
         const int64_t units = blocks / (UNIT_BLOCKS);                                                           \
         const uint8_t *weights_end = weights + (N + GROUP_ROWS - 1) / GROUP_ROWS * units * (UNIT_BYTES);        \
         sums_t acc[VECTORS][TOKENS];                                                                            \
@@ -482,7 +491,7 @@ static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activatio
                     FORMAT##_rows(unit + j * 4 * GROUP_CHUNK + half * VECTOR_ROWS * 4, w);                      \
                     const RowScales scales = FORMAT##_scales(unit, j, half);                                    \
                     for (int t = 0; t < TOKENS; t++)                                                            \
-                        acc[v][t] = FORMAT##_token(w, scales, x, (t0 + t) * blocks + b, acc[v][t]);             \
+                        acc[v][t] = FORMAT##_token(w, scales, x, (t0 + t) * blocks + b, acc[v][t], LEVELS);     \
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
@@ -509,26 +518,25 @@ static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activatio
 #define ROWS_TOKEN_TILE 4
 #endif
 
-/* NAME(x, T, K, weights, N, y) as the fp32-activation ops above, with x quantized per token first and the weights
- * in row groups (pack_q4_rows, pack_q4_k_rows, pack_q5_rows, pack_q8_rows, pack_q6_k_rows). */
-#define ROWS_MATMUL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS)                                                     \
-    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, ONE_TOKEN_VECTORS, 1)                               \
-    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, 1, ROWS_TOKEN_TILE)                                 \
-    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, 1, 1)                                               \
-    void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y) {              \
+/* NAME's work with LEVELS levels of activation codes, x quantized as `a` */
+#define ROWS_MATMUL_LEVELS(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, LEVELS)                                     \
+    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, ONE_TOKEN_VECTORS, 1, LEVELS)                       \
+    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, 1, ROWS_TOKEN_TILE, LEVELS)                         \
+    ROWS_MICROKERNEL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, 1, 1, LEVELS)                                       \
+    static void NAME##_##LEVELS(Q8Activations a, int64_t T, int64_t K, const uint8_t *weights, int64_t N,       \
+                                float *y) {                                                                     \
         const int64_t blocks = K / QUANT_BLOCK;                                                                 \
         const int64_t vectors = (N + GROUP_ROWS - 1) / GROUP_ROWS * GROUP_VECTORS;                              \
-        const Q8Activations a = quantize_rows(x, T, K);                                                         \
         if (T == 1) {                                                                                           \
             const int64_t tiles = (vectors + ONE_TOKEN_VECTORS - 1) / ONE_TOKEN_VECTORS;                        \
             _Pragma("omp parallel for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {         \
                 const int64_t v0 = tile * ONE_TOKEN_VECTORS;                                                    \
                 if (vectors - v0 >= ONE_TOKEN_VECTORS)                                                          \
-                    ROWS_TILE(NAME, ONE_TOKEN_VECTORS, 1)(weights, blocks, a, K, v0, 0, y, N);                  \
+                    ROWS_TILE(NAME, ONE_TOKEN_VECTORS, 1, LEVELS)(weights, blocks, a, K, v0, 0, y, N);          \
                 else                                                                                            \
-                    for (int64_t v = v0; v < vectors; v++) ROWS_TILE(NAME, 1, 1)(weights, blocks, a, K, v, 0, y, N); \
+                    for (int64_t v = v0; v < vectors; v++)                                                      \
+                        ROWS_TILE(NAME, 1, 1, LEVELS)(weights, blocks, a, K, v, 0, y, N);                       \
             }                                                                                                   \
-            free_activations(a);                                                                                \
             return;                                                                                             \
         }                                                                                                       \
         for (int64_t t0 = 0; t0 < T; t0 += TOKEN_CHUNK) {                                                       \
@@ -536,10 +544,21 @@ static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activatio
             _Pragma("omp parallel for schedule(static)") for (int64_t v = 0; v < vectors; v++) {                \
                 int64_t t = t0;                                                                                 \
                 for (; t + ROWS_TOKEN_TILE <= end; t += ROWS_TOKEN_TILE)                                        \
-                    ROWS_TILE(NAME, 1, ROWS_TOKEN_TILE)(weights, blocks, a, K, v, t, y, N);                     \
-                for (; t < end; t++) ROWS_TILE(NAME, 1, 1)(weights, blocks, a, K, v, t, y, N);                  \
+                    ROWS_TILE(NAME, 1, ROWS_TOKEN_TILE, LEVELS)(weights, blocks, a, K, v, t, y, N);             \
+                for (; t < end; t++) ROWS_TILE(NAME, 1, 1, LEVELS)(weights, blocks, a, K, v, t, y, N);          \
             }                                                                                                   \
         }                                                                                                       \
+    }
+
+/* NAME(x, T, K, weights, N, y, levels) as the fp32-activation ops above, with x quantized per token first (levels
+ * 2: two levels of codes; 1: the first alone, llama.cpp's Q8_1, half the integer work) and the weights in row groups
+ * (pack_q4_rows, pack_q4_k_rows, pack_q5_rows, pack_q8_rows, pack_q6_k_rows). */
+#define ROWS_MATMUL(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS)                                                     \
+    ROWS_MATMUL_LEVELS(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, 1)                                                \
+    ROWS_MATMUL_LEVELS(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, 2)                                                \
+    void NAME(const float *x, int64_t T, int64_t K, const uint8_t *weights, int64_t N, float *y, int64_t levels) { \
+        const Q8Activations a = quantize_rows(x, T, K, levels == 1 ? 1 : 2);                                    \
+        (levels == 1 ? NAME##_1 : NAME##_2)(a, T, K, weights, N, y);                                            \
         free_activations(a);                                                                                    \
     }
 
