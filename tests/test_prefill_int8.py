@@ -62,6 +62,8 @@ def test_an_int8_prompts_output_does_not_depend_on_its_chunks_or_its_batch(int8_
     assert_idle(chunks_of_512)
 
 
-def test_int8_prompts_are_refused_for_weights_with_float32_inputs(default_model_dir):
+def test_int8_prompts_take_int4_q8_weights_and_are_refused_for_weights_with_float32_inputs(default_model_dir):
+    _, description = load_model(EngineConfig(prefill_dtype="int8"), default_model_dir, torch.device("cpu"))
+    assert description.startswith("int4-q8") and description.endswith("int8 prompts")
     with pytest.raises(ValueError, match="prefill_dtype=int8 is for weights whose kernels quantize"):
         load_model(EngineConfig(weight_format="int4", prefill_dtype="int8"), default_model_dir, torch.device("cpu"))

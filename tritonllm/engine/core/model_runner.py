@@ -101,7 +101,11 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
     cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
     model, blocks = registry.load_for_cpu(model_dir, config.quantization)
     blocks_alone = any(parameter.is_meta for parameter in model.parameters())  # a GGUF read without a dense copy
-    options = candidates(config.weight_format, dtype, has_blocks=blocks is not None, blocks_alone=blocks_alone)
+    # int8 prompts are int4-q8's kernels with one level of codes: auto means that format then
+    weight_format = config.weight_format
+    if config.prefill_dtype == "int8" and weight_format == "auto":
+        weight_format = "int4-q8"
+    options = candidates(weight_format, dtype, has_blocks=blocks is not None, blocks_alone=blocks_alone)
     if blocks_alone and not all(option.runs_blocks_alone for option in options):
         model.dequantize_projections(blocks)
 

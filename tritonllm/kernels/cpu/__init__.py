@@ -351,7 +351,8 @@ def _block_matmul(op, x: torch.Tensor, packed: torch.Tensor, rows: int, block_by
         raise ValueError("weights: not contiguous (pack them once, at load)")
     x = x.contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr(), *([] if levels is None else [levels]))
+    levels_argument = [] if levels is None else [levels]
+    op(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), rows, out.data_ptr(), *levels_argument)
     return out
 
 
@@ -475,9 +476,11 @@ def q5_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int =
     return _block_matmul(_library.q5_q8_matmul, x, packed, rows, Q5_GROUP_BYTES, GROUP_ROWS, levels=levels)
 
 
-def q4_k_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int = 2) -> torch.Tensor:
+def q4_k_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int = 2
+                   ) -> torch.Tensor:
     """As q4_q8_matmul over pack_q4_k_rows's weights (Q4_K's exact d', m')."""
-    return _block_matmul(_library.q4_k_q8_matmul, x, packed, rows, Q4_K_GROUP_BYTES, GROUP_ROWS, SUPER_BLOCK, levels=levels)
+    return _block_matmul(_library.q4_k_q8_matmul, x, packed, rows, Q4_K_GROUP_BYTES, GROUP_ROWS, SUPER_BLOCK,
+                         levels=levels)
 
 
 def q8_q8_matmul(x: torch.Tensor, packed: torch.Tensor, rows: int, levels: int = 2) -> torch.Tensor:
