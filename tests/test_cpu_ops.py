@@ -488,28 +488,42 @@ def test_one_openmp_runtime_in_the_process():
     assert len(mapped) == 1, mapped
 
 
-@pytest.mark.parametrize("weight_format, kv_cache_dtype", [("int4", "auto"), ("int4", "float16"),
-                                                           ("int4-q8", "auto")])
-def test_a_decode_step_in_one_call_equals_the_layers_op_by_op(default_model_dir, weight_format, kv_cache_dtype):
-    """The default model with int4 weights (fp32 or int8 activations) decodes through llama_decode; the same
-    requests op by op give the same hidden states, to the bit (and so the same tokens), for a batch of sequences at
-    different lengths."""
+@pytest.mark.parametrize("weight_format, kv_cache_dtype, prefill_dtype", [
+    ("int4", "auto", "float32"), ("int4", "float16", "float32"), ("int4-q8", "auto", "float32"),
+    ("int4-q8", "auto", "int8")])
+def test_a_step_in_one_call_equals_the_layers_op_by_op(default_model_dir, weight_format, kv_cache_dtype,
+                                                       prefill_dtype):
+    """The default model with int4 weights (fp32 or int8 activations) runs its steps through llama_forward: prompts
+    cut into chunks of a few tokens, batched with other sequences' decodes (int8 prompts: as their own forward, one
+    level of codes). The same requests op by op give the same hidden states, to the bit (and so the same tokens)."""
     from tritonllm.engine.config import EngineConfig
     from tritonllm.interface.parameters import SamplingParams
     from tritonllm.engine.llm_engine import LLMEngine
     from engine_helpers import generate
 
     engines = [LLMEngine(EngineConfig(model_path=str(default_model_dir), weight_format=weight_format, dtype="float32",
-                                      kv_cache_memory=32 << 20, kv_cache_dtype=kv_cache_dtype)) for _ in range(2)]
-    assert engines[0].core.runner.model.decodes_in_one_call
-    engines[1].core.runner.model.decodes_in_one_call = False
+                                      kv_cache_memory=32 << 20, kv_cache_dtype=kv_cache_dtype,
+                                      prefill_dtype=prefill_dtype, max_num_batched_tokens=8)) for _ in range(2)]
+    assert engines[0].core.runner.model.layers_in_one_call
+    engines[1].core.runner.model.layers_in_one_call = False
+    batches = []
+    engines[0].core.runner.model.forward = _recording(engines[0].core.runner.model.forward, batches)
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True, return_hidden_states=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
     fused, op_by_op = (generate(engine, prompts, params) for engine in engines)
+    assert any(meta.prefill is not None and meta.num_decode_tokens for meta in batches)  # chunks beside decodes
     for one, other in zip(fused, op_by_op):
         assert one.token_ids() == other.token_ids()
         states = [[h for o in result.outputs for c in o.choices for h in c.hidden_states] for result in (one, other)]
         assert len(states[0]) == 6 and all(torch.equal(a, b) for a, b in zip(*states))
+
+
+def _recording(forward, batches: list):
+    """forward, noting each step's attention metadata"""
+    def recorded(input_ids, positions, meta, *args, **kwargs):
+        batches.append(meta)
+        return forward(input_ids, positions, meta, *args, **kwargs)
+    return recorded
 
 
 @pytest.mark.parametrize("vocab", [5, 1000, 49152, 49157])  # 49157: a partial vector and chunk at the end

@@ -266,12 +266,12 @@ def test_auto_may_pick_the_blocks_and_keeps_greedy_output(gguf_model_dir):
 @pytest.mark.parametrize("gguf_model_dir", ["llama"], indirect=True)  # qwen3's q/k norms: op by op
 @pytest.mark.parametrize("weight_format", ["int4", "int4-q8"])
 def test_a_decode_step_in_one_call_runs_every_kind_of_part(gguf_model_dir, weight_format):
-    """llama_decode over every kind of part (a qkv of three kinds): the same hidden states as op by op, to
+    """llama_forward over every kind of part (a qkv of three kinds): the same hidden states as op by op, to
     the bit, for a batch of sequences at different lengths."""
     engines = [LLMEngine(EngineConfig(model_path=str(gguf_model_dir), weight_format=weight_format,
                                       kv_cache_memory=16 << 20)) for _ in range(2)]
-    assert engines[0].core.runner.model.decodes_in_one_call
-    engines[1].core.runner.model.decodes_in_one_call = False
+    assert engines[0].core.runner.model.layers_in_one_call
+    engines[1].core.runner.model.layers_in_one_call = False
     params = SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True, return_hidden_states=True)
     fused, op_by_op = (generate(engine, PROMPTS + ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"], params)
                        for engine in engines)

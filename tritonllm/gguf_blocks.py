@@ -108,7 +108,7 @@ class Q5Blocks:
 @dataclass(frozen=True)
 class SuperBlocks:
     """A GGUF's Q4_K or Q6_K super-blocks [rows, K / 256, bytes] uint8 as stored (`kind`: the type's name in
-    lower case, as the kernels and llama_decode name it)."""
+    lower case, as the kernels and llama_forward name it)."""
 
     kind: str
     blocks: np.ndarray

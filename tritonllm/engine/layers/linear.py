@@ -266,7 +266,7 @@ class Projection(nn.Module):
         return None
 
     def block_parts(self) -> list[tuple[str, torch.Tensor, int]] | None:
-        """The projection as the CPU ops' llama_decode reads it (it adds no bias)."""
+        """The projection as the CPU ops' llama_forward reads it (it adds no bias)."""
         return None if self.bias is not None else self.plain_block_parts()
 
 

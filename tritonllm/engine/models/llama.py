@@ -19,7 +19,7 @@ from tritonllm.engine.layers.attention import AttentionMetadata, paged_attention
 from tritonllm.engine.layers.embedding import BlockEmbedding
 from tritonllm.engine.layers.linear import Choice
 from tritonllm.engine.layers.lora import LayerLora
-from tritonllm.engine.layers.prompt_rows import computing_prompt_rows
+from tritonllm.engine.layers.prompt_rows import activation_levels, computing_prompt_rows, matmul_dtype
 from tritonllm.engine.layers.moe import SparseMoeMLP
 from tritonllm.engine.layers.norm import RMSNorm
 from tritonllm.engine.layers.rotary import RotaryEmbedding
@@ -116,11 +116,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = (None if arch.tie_word_embeddings
                         else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
-        # decode steps in one call of the CPU ops (set by use_weight_format): every projection in blocks, a plain dense
-        # decoder
-        self.decodes_in_one_call = False
+        # a step's layers in one call of the CPU ops (set by use_weight_format): every projection in blocks, a plain
+        # dense decoder
+        self.layers_in_one_call = False
         self.prefill_dtype = torch.float32  # what prompt rows compute in (use_weight_format)
-        self._decode_layers: tuple[int, object] | None = None  # (the KV caches' address, the ops' layer array)
+        self._layer_array: tuple[int, object] | None = None  # (the KV caches' address, the ops' layer array)
 
     @classmethod
     def architecture(cls, config: dict) -> ModelArchitecture:
@@ -144,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.for_positions(positions)
-        if self.decodes_in_one_call and meta.prefill is None and lora is None and hidden.dtype == torch.float32:
-            hidden, residual = self._decode_in_one_call(hidden, rope, meta, kv_caches)
+        if (self.layers_in_one_call and lora is None and hidden.dtype == torch.float32
+                and (meta.prefill is None or matmul_dtype() != torch.bfloat16)):
+            hidden, residual = self._layers_in_one_call(hidden, rope, meta, kv_caches)
             return residual + hidden, None
         routed = []
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
@@ -174,23 +175,29 @@ class LlamaForCausalLM(nn.Module):
         return (torch.cat([hidden, prompt_hidden]),
                 None if routing is None else torch.cat([routing, prompt_routing]))
 
-    def _decode_in_one_call(self, hidden, rope, meta: AttentionMetadata, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer through the CPU ops' llama_decode: the layers' own ops in their order, without ~10 Python
-        dispatches a layer (the same numbers, to the bit)."""
+    def _layers_in_one_call(self, hidden, rope, meta: AttentionMetadata, kv_caches
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer through the CPU ops' llama_forward: the layers' own ops in their order, without ~10 Python
+        dispatches a layer (the same numbers, to the bit), decode rows and prompt chunks alike."""
         caches_at = kv_caches[0][0].data_ptr()
-        if self._decode_layers is None or self._decode_layers[0] != caches_at:
-            self._decode_layers = (caches_at, cpu_ops.decoder_layers([
+        if self._layer_array is None or self._layer_array[0] != caches_at:
+            self._layer_array = (caches_at, cpu_ops.decoder_layers([
                 {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight,
                  "qkv": layer.self_attn.qkv_proj.block_parts(), "o": layer.self_attn.o_proj.block_parts(),
                  "gate_up": layer.mlp.gate_up_proj.block_parts(), "down": layer.mlp.down_proj.block_parts(),
                  "k_cache": k_cache, "v_cache": v_cache}
                 for layer, (k_cache, v_cache) in zip(self.layers, kv_caches)]))
-        arch = self.arch
-        return cpu_ops.llama_decode(self._decode_layers[1], hidden, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                                    arch.intermediate_size, arch.rms_norm_eps, self.layers[0].self_attn.scale, *rope,
-                                    meta.slot_mapping, kv_caches[0][0].shape[1], meta.decode_block_tables,
-                                    meta.decode_context_lens, kv_caches[0][0].dtype == torch.float16,
-                                    self.int8_activations)
+        arch, batch = self.arch, meta.prefill
+        decodes = meta.num_decode_tokens > 0
+        chunks = None if batch is None else (batch.query_starts, batch.query_lens, batch.context_lens,
+                                             batch.block_tables.to(torch.int64))
+        return cpu_ops.llama_forward(self._layer_array[1], hidden, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                     arch.intermediate_size, arch.rms_norm_eps, self.layers[0].self_attn.scale, *rope,
+                                     meta.slot_mapping, kv_caches[0][0].shape[1],
+                                     meta.decode_block_tables if decodes else None,
+                                     meta.decode_context_lens if decodes else None, chunks,
+                                     kv_caches[0][0].dtype == torch.float16,
+                                     activation_levels() if self.int8_activations else 0)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -244,10 +251,10 @@ class LlamaForCausalLM(nn.Module):
         if blocks and blocks.embedding is not None and choice.runs_blocks_alone:
             self.embed_tokens = BlockEmbedding(blocks.embedding)  # no dense copy of it
         arch = self.arch
-        self.int8_activations = choice.int8_activations  # what llama_decode's projections run with
+        self.int8_activations = choice.int8_activations  # what llama_forward's projections run with
         every_in_blocks = all(getattr(owner, name).block_parts() is not None
                               for index in range(len(self.layers)) for owner, name in self._projections(index))
-        self.decodes_in_one_call = (choice.kernel == "cpu_ops" and every_in_blocks and not arch.qk_norm
+        self.layers_in_one_call = (choice.kernel == "cpu_ops" and every_in_blocks and not arch.qk_norm
                                     and not arch.attention_bias and not arch.mlp_bias and not arch.moe_layers)
 
     def dequantize_projections(self, blocks: GgufBlocks) -> None:

@@ -2,7 +2,7 @@
 
 One step of a small model on a CPU is hundreds of small torch ops (each a dispatch and an OpenMP fork), and the
 int4 weights have no fast fp32-activation kernel in torch. These ops do the same work in a few calls per layer
-(`llama_decode`: one call for a whole decode step), and `q4_matmul` reads the checkpoint's own 4-bit weights (5
+(`llama_forward`: one call for a whole step's layers), and `q4_matmul` reads the checkpoint's own 4-bit weights (5
 bits per weight with their scales, against 16 for fp16). `load(directory)` compiles the library with
 `-march=native` (so it suits exactly the CPU it runs on; `TRITONLLM_CPU_MARCH` names another target, e.g.
 x86-64-v3 for AVX2 code on an AVX-512 CPU) into that directory, keyed by the source, the flags and the CPU's
@@ -75,8 +75,8 @@ SIGNATURES = {
     "store_kv_cache": [_p, _i64, _p, _i64, _i64, _i64, _p, _p, _p, _i64],
     "silu_and_mul": [_p, _i64, _i64, _p],
     "sample_rows": [_p, _p, _i64, _i64, _p, _p, _p, _p],
-    "llama_decode": [_p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _p, _p, _p, _i64, _p, _i64, _p, _i64,
-                     _p, _p, _i64, _i64],
+    "llama_forward": [_p, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _p, _p, _p, _i64, _p, _p, _p, _i64,
+                      _i64],
 }
 
 RESULTS = {"paged_prefill_attention_bf16": _i64, "block_matmul_bf16": _i64, "amx_tiles_available": _i64,
@@ -657,7 +657,7 @@ class ProjectionPart(ctypes.Structure):
 
 
 class DecoderLayer(ctypes.Structure):
-    """One layer's tensors as llama_decode.c reads them."""
+    """One layer's tensors as llama_forward.c reads them."""
 
     _fields_ = ([(name, ctypes.c_void_p) for name in ("input_norm", "post_attention_norm")]
                 + [(name, ProjectionPart * PROJECTION_PARTS) for name in ("qkv", "o", "gate_up", "down")]
@@ -681,29 +681,65 @@ def decoder_layers(layers: list[dict[str, torch.Tensor | list[tuple[str, torch.T
     return array
 
 
-def llama_decode(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_size: int, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, half_cache: bool,
-                 int8_activations: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer of a dense decoder over one-token queries: the embeddings [tokens, hidden] → (the last MLP's
-    output, the residual stream before it), as the layers op by op would give them. half_cache: the layers' KV
-    caches are float16 (else float32); int8_activations: the int4, int5, Q8_0 and Q6_K parts are q4_q8_matmul's,
-    q5_q8_matmul's, q8_q8_matmul's and q6_q8_matmul's (else the fp32-activation ops of their kinds)."""
+class AttentionRows(ctypes.Structure):
+    """A step's rows as llama_forward.c's attention reads them: decode rows, then prompt chunks."""
+
+    _fields_ = [("decodes", ctypes.c_int64), ("decode_tables", ctypes.c_void_p),
+                ("decode_table_stride", ctypes.c_int64), ("decode_context_lens", ctypes.c_void_p),
+                ("max_decode_context", ctypes.c_int64), ("chunks", ctypes.c_int64),
+                ("query_starts", ctypes.c_void_p), ("query_lens", ctypes.c_void_p),
+                ("chunk_context_lens", ctypes.c_void_p), ("chunk_tables", ctypes.c_void_p),
+                ("chunk_table_stride", ctypes.c_int64)]
+
+
+def llama_forward(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                  intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                  slot_mapping: torch.Tensor, block_size: int, decode_tables: torch.Tensor | None,
+                  decode_context_lens: torch.Tensor | None, chunks: tuple[torch.Tensor, ...] | None, half_cache: bool,
+                  int8_levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer of a dense decoder over a step's rows: the embeddings [tokens, hidden] → (the last MLP's output,
+    the residual stream before it), as the layers op by op would give them. The first len(decode_context_lens) rows
+    are one-token queries (decode_tables, decode_context_lens: as paged_decode_attention's), the rest prompt chunks
+    (chunks: prefill_attention's query_starts, query_lens, context_lens, block_tables, rows from the first prompt
+    row). half_cache: the layers' KV caches are float16 (else float32); int8_levels: 0, the fp32-activation ops of
+    the parts' kinds; 1 or 2, the int4, int5, Q8_0, Q4_K and Q6_K parts are q4_q8_matmul's, q5_q8_matmul's,
+    q8_q8_matmul's, q4_k_q8_matmul's and q6_q8_matmul's with that many levels of codes."""
     tokens = hidden.shape[0]
     _checked(hidden, "hidden", torch.float32, (tokens, None))
     for name, tensor in (("cos", cos), ("sin", sin)):
         _checked(tensor, name, torch.float32, (tokens, head_dim // 2))
     _checked(slot_mapping, "slot_mapping", torch.int64, (tokens,))
-    _checked(block_tables, "block_tables", torch.int64, (tokens, None))
-    _checked(context_lens, "context_lens", torch.int32, (tokens,))
+    if int8_levels not in (0, 1, 2):
+        raise ValueError(f"int8_levels: 0, 1 or 2, not {int8_levels}")
+    rows, kept = AttentionRows(), []
+    if decode_context_lens is not None:
+        decodes = len(decode_context_lens)
+        _checked(decode_tables, "decode_tables", torch.int64, (decodes, None))
+        _checked(decode_context_lens, "decode_context_lens", torch.int32, (decodes,))
+        tables, lens = _table(decode_tables), decode_context_lens.contiguous()
+        kept += [tables, lens]
+        rows.decodes, rows.decode_tables, rows.decode_table_stride = decodes, tables.data_ptr(), tables.stride(0)
+        rows.decode_context_lens, rows.max_decode_context = lens.data_ptr(), tables.shape[1] * block_size
+    if chunks is not None:
+        starts, lens, contexts, tables = chunks
+        count = len(starts)
+        for name, tensor in (("query_starts", starts), ("query_lens", lens), ("chunk_context_lens", contexts)):
+            _checked(tensor, name, torch.int32, (count,))
+        _checked(tables, "chunk_tables", torch.int64, (count, None))
+        starts, lens, contexts, tables = (t.contiguous() for t in (starts, lens, contexts, _table(tables)))
+        if int((starts + lens).max()) != tokens - rows.decodes:
+            raise ValueError("chunks: their rows are not the rows after the decodes")
+        kept += [starts, lens, contexts, tables]
+        rows.chunks, rows.query_starts, rows.query_lens = count, starts.data_ptr(), lens.data_ptr()
+        rows.chunk_context_lens, rows.chunk_tables, rows.chunk_table_stride = (contexts.data_ptr(), tables.data_ptr(),
+                                                                               tables.stride(0))
+    elif rows.decodes != tokens:
+        raise ValueError(f"{tokens} rows, {rows.decodes} of them decodes and no chunks")
     hidden = hidden.contiguous().clone()  # written in place
     residual = torch.empty_like(hidden)
-    tables = _table(block_tables)
-    cos, sin, slots, lens = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous(), context_lens.contiguous()
-    _library.llama_decode(ctypes.addressof(layers), len(layers), hidden.shape[0], hidden.shape[1], heads, kv_heads,
-                          head_dim, intermediate, eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                          block_size, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                          tables.shape[1] * block_size, hidden.data_ptr(), residual.data_ptr(), int(half_cache),
-                          int(int8_activations))
+    cos, sin, slots = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
+    _library.llama_forward(ctypes.addressof(layers), len(layers), hidden.shape[0], hidden.shape[1], heads, kv_heads,
+                           head_dim, intermediate, eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                           block_size, ctypes.addressof(rows), hidden.data_ptr(), residual.data_ptr(), int(half_cache),
+                           int8_levels)
     return hidden, residual

@@ -398,21 +398,21 @@ typedef struct { /* a task's queries: rows row .. row + queries - 1 of q and out
     int64_t row, queries, n, sequence;
 } QueryTile;
 
-/* Every tile's queries attending through each kv head (one-token queries: tiles of one), out: [rows][H][D]. A task
+/* Every tile's queries (at most `widest` a tile) attending through each kv head, out: [rows][H][D]. A task
  * is a tile and a kv head, walking its context's splits; where such tasks are too few to keep the threads busy (a
  * long context's decode, a small chunk of a long prompt) a task is one split of them, and the partials are folded
  * after, in the same order by the same code. */
-static void attend_tiles(const QueryTile *tiles, int64_t count, int64_t query_tile, const float *q, int64_t q_stride,
+static void attend_tiles(const QueryTile *tiles, int64_t count, int64_t widest, const float *q, int64_t q_stride,
                          int64_t H, int64_t D, const void *k_cache, const void *v_cache, int64_t block_size,
                          int64_t kv_heads, const int64_t *block_tables, int64_t table_stride, int64_t max_context,
                          float scale, float *out, int half) {
     const int64_t group = H / kv_heads, tasks = count * kv_heads, splits = (max_context + KEY_SPLIT - 1) / KEY_SPLIT;
-    const int64_t padded_group = (group + HEAD_TILE - 1) / HEAD_TILE * HEAD_TILE, tile_rows = query_tile * padded_group;
+    const int64_t padded_group = (group + HEAD_TILE - 1) / HEAD_TILE * HEAD_TILE, tile_rows = widest * padded_group;
     const int split_tasks = splits > 1 && tasks < 4 * omp_get_max_threads();
     float *partials = split_tasks ? malloc((size_t)(tasks * splits * tile_rows * PARTIAL(D) * 4)) : NULL;
 #pragma omp parallel
     {
-        const AttentionScratch scratch = scratch_for(query_tile, group, D, max_context);
+        const AttentionScratch scratch = scratch_for(widest, group, D, max_context);
 #pragma omp for schedule(dynamic)
         for (int64_t job = 0; job < (split_tasks ? tasks * splits : tasks); job++) {
             const int64_t task = split_tasks ? job / splits : job, s = split_tasks ? job % splits : 0;
@@ -498,10 +498,11 @@ void paged_prefill_attention(const float *q, int64_t q_stride, int64_t chunks, c
                              const void *k_cache, const void *v_cache, int64_t block_size, int64_t kv_heads,
                              const int64_t *block_tables, int64_t table_stride, float scale, float *out,
                              int64_t half) {
-    int64_t count = 0, max_context = 0;
+    int64_t count = 0, max_context = 0, widest = 1; /* widest: the most queries a tile has (its scratch's rows) */
     for (int64_t c = 0; c < chunks; c++) {
         count += (query_lens[c] + QUERY_TILE - 1) / QUERY_TILE;
         max_context = context_lens[c] > max_context ? context_lens[c] : max_context;
+        widest = query_lens[c] > widest ? (query_lens[c] < QUERY_TILE ? query_lens[c] : QUERY_TILE) : widest;
     }
     QueryTile *tiles = malloc((size_t)count * sizeof(QueryTile));
     for (int64_t c = 0, t = 0; c < chunks; c++)
@@ -509,7 +510,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, int64_t chunks, c
             tiles[t++] = (QueryTile){query_starts[c] + first,
                                      query_lens[c] - first < QUERY_TILE ? query_lens[c] - first : QUERY_TILE,
                                      context_lens[c] - query_lens[c] + first + 1, c};
-    attend_tiles(tiles, count, QUERY_TILE, q, q_stride, H, D, k_cache, v_cache, block_size, kv_heads, block_tables,
+    attend_tiles(tiles, count, widest, q, q_stride, H, D, k_cache, v_cache, block_size, kv_heads, block_tables,
                  table_stride, max_context, scale, out, (int)half);
     free(tiles);
 }

@@ -10,9 +10,9 @@
  * One file a concept: quant_matmul.c (projections over quantized blocks, fp32 or int8 activations), blocks.h (the
  * blocks' layouts and dequantization), block_matmul_bf16.c (bf16 prompts' projections over blocks on AMX tiles or
  * AVX512-BF16 dot products), attention.c (paged attention), attention_bf16.c (bf16 prompts' prefill attention, the
- * same two ways; bf16.h what they share), elementwise.c (norms, rotary, KV store, SiLU), sampler.c (the draw), llama_decode.c (those ops over a
- * whole decode step). This header declares what Python calls (kernels/cpu/__init__.py's SIGNATURES) and what one
- * file calls of another. */
+ * same two ways; bf16.h what they share), elementwise.c (norms, rotary, KV store, SiLU), sampler.c (the draw),
+ * llama_forward.c (those ops over a whole step's layers). This header declares what Python calls
+ * (kernels/cpu/__init__.py's SIGNATURES) and what one file calls of another. */
 
 #pragma once
 

@@ -98,5 +98,5 @@ def dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (q.view(q.shape[0], -1, 16).float() * d[..., None]).view(q.shape[0], -1)
 
 
-# each kind (the GGUF type's name in lower case, as the kernels and llama_decode name it) → its dequantization
+# each kind (the GGUF type's name in lower case, as the kernels and llama_forward name it) → its dequantization
 DEQUANTIZE = {"q4_k": dequantize_q4_k, "q5_k": dequantize_q5_k, "q6_k": dequantize_q6_k}

@@ -1,9 +1,9 @@
 #include "cpu_ops.h"
 #include "blocks.h"
 
-/* ---- a whole decode forward of a dense Llama-style decoder over quantized blocks: the ops above in the model's
- * order, one call for every layer (what Python would otherwise dispatch ~10 times a layer). The arithmetic is the
- * ops' own, so the results equal the op-by-op forward to the bit. ---- */
+/* ---- a whole forward of a dense Llama-style decoder over quantized blocks: the ops above in the model's order, one
+ * call for every layer (what Python would otherwise dispatch ~10 times a layer), for a step's decode rows and prompt
+ * chunks alike. The arithmetic is the ops' own, so the results equal the op-by-op forward to the bit. ---- */
 
 /* A fused projection's run of output rows in one kind of blocks (a projection is up to 3, rows 0 ending them). */
 typedef struct {
@@ -16,6 +16,20 @@ typedef struct {
     ProjectionPart qkv[3], o[3], gate_up[3], down[3];
     void *k_cache, *v_cache; /* [blocks][block_size][kv_heads][head_dim], float32 or 16 */
 } DecoderLayer;
+
+/* A step's rows as attention reads them: `decodes` one-token queries first (decode_tables: [decodes][stride]), then
+ * prompt chunks, chunk c rows decodes + query_starts[c] .. + query_lens[c] (chunk_tables: [chunks][stride]). */
+typedef struct {
+    int64_t decodes;
+    const int64_t *decode_tables;
+    int64_t decode_table_stride;
+    const int32_t *decode_context_lens;
+    int64_t max_decode_context;
+    int64_t chunks;
+    const int32_t *query_starts, *query_lens, *chunk_context_lens;
+    const int64_t *chunk_tables;
+    int64_t chunk_table_stride;
+} AttentionRows;
 
 typedef void (*BlockMatmul)(const float *, int64_t, int64_t, const uint8_t *, int64_t, float *);
 typedef void (*Int8BlockMatmul)(const float *, int64_t, int64_t, const uint8_t *, int64_t, float *, int64_t);
@@ -44,12 +58,12 @@ static Int8BlockMatmul int8_block_matmul(int64_t kind) {
     }
 }
 
-/* a part's rows; decode rows' int8 activations take two levels */
+/* a part's rows; int8_levels: 0 fp32 activations, else the levels of int8 codes the int8-activation ops take */
 static void part_matmul(const ProjectionPart *part, const float *x, int64_t T, int64_t K, int64_t N, float *y,
-                        int64_t int8_activations) {
-    const Int8BlockMatmul int8_op = int8_activations ? int8_block_matmul(part->kind) : NULL;
+                        int64_t int8_levels) {
+    const Int8BlockMatmul int8_op = int8_levels ? int8_block_matmul(part->kind) : NULL;
     if (int8_op)
-        int8_op(x, T, K, part->blocks, N, y, 2);
+        int8_op(x, T, K, part->blocks, N, y, int8_levels);
     else
         block_matmul(part->kind)(x, T, K, part->blocks, N, y);
 }
@@ -57,28 +71,28 @@ static void part_matmul(const ProjectionPart *part, const float *x, int64_t T, i
 /* y [T][N] = x [T][K] through a projection's parts, each part's outputs side by side (through scratch [T][rows]
  * when several tokens' rows interleave), as the op-by-op forward concatenates them. */
 static void project(const ProjectionPart *parts, const float *x, int64_t T, int64_t K, int64_t N, float *y,
-                    float *scratch, int64_t int8_activations) {
+                    float *scratch, int64_t int8_levels) {
     if (parts[0].rows == N) {
-        part_matmul(parts, x, T, K, N, y, int8_activations);
+        part_matmul(parts, x, T, K, N, y, int8_levels);
         return;
     }
     for (int64_t p = 0, offset = 0; p < 3 && parts[p].rows; offset += parts[p].rows, p++) {
         const int64_t rows = parts[p].rows;
-        part_matmul(parts + p, x, T, K, rows, scratch, int8_activations);
+        part_matmul(parts + p, x, T, K, rows, scratch, int8_levels);
         for (int64_t t = 0; t < T; t++) memcpy(y + t * N + offset, scratch + t * rows, (size_t)(rows * 4));
     }
 }
 
 /* hidden: [T][hidden] the embeddings in, the last layer's MLP output out; residual: [T][hidden] out (their sum is
- * the decoder's output). cos, sin: [T][head_dim / 2]. half_cache: the layers' KV caches are float16.
- * int8_activations: the projections quantize their inputs (q4_q8_matmul, q4_k_q8_matmul, q5_q8_matmul,
- * q8_q8_matmul, q6_q8_matmul), else fp32. */
-void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int64_t hidden_size, int64_t heads,
-                  int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps, float scale,
-                  const float *cos, const float *sin, const int64_t *slot_mapping, int64_t block_size,
-                  const int64_t *block_tables, int64_t table_stride, const int32_t *context_lens,
-                  int64_t max_context, float *hidden, float *residual, int64_t half_cache,
-                  int64_t int8_activations) {
+ * the decoder's output). cos, sin: [T][head_dim / 2]. rows: which rows are decodes and which prompt chunks.
+ * half_cache: the layers' KV caches are float16. int8_levels: 0, the projections take fp32 inputs; 1 or 2, they
+ * quantize them to that many levels of int8 codes (q4_q8_matmul, q4_k_q8_matmul, q5_q8_matmul, q8_q8_matmul,
+ * q6_q8_matmul). */
+void llama_forward(const DecoderLayer *layers, int64_t num_layers, int64_t T, int64_t hidden_size, int64_t heads,
+                   int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps, float scale,
+                   const float *cos, const float *sin, const int64_t *slot_mapping, int64_t block_size,
+                   const AttentionRows *rows, float *hidden, float *residual, int64_t half_cache,
+                   int64_t int8_levels) {
     const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, qkv_width = q_width + 2 * kv_width;
     float *normed = malloc((size_t)(T * hidden_size * 4)), *qkv = malloc((size_t)(T * qkv_width * 4));
     float *attention = malloc((size_t)(T * q_width * 4)), *gate_up = malloc((size_t)(T * 2 * intermediate * 4));
@@ -93,18 +107,25 @@ void llama_decode(const DecoderLayer *layers, int64_t num_layers, int64_t T, int
         } else {
             rms_norm(hidden, residual, layer->input_norm, T, hidden_size, eps, normed, residual);
         }
-        project(layer->qkv, normed, T, hidden_size, qkv_width, qkv, scratch, int8_activations);
+        project(layer->qkv, normed, T, hidden_size, qkv_width, qkv, scratch, int8_levels);
         rotary_embedding(qkv, qkv_width, heads, qkv + q_width, qkv_width, kv_heads, T, head_dim, cos, sin);
         store_kv_cache(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, T, kv_width, layer->k_cache,
                        layer->v_cache, slot_mapping, half_cache);
-        paged_decode_attention(qkv, qkv_width, T, heads, head_dim, layer->k_cache, layer->v_cache, block_size,
-                               kv_heads, block_tables, table_stride, context_lens, max_context, scale, attention,
-                               half_cache);
-        project(layer->o, attention, T, q_width, hidden_size, hidden, scratch, int8_activations);
+        const int64_t decodes = rows->decodes;
+        if (decodes)
+            paged_decode_attention(qkv, qkv_width, decodes, heads, head_dim, layer->k_cache, layer->v_cache,
+                                   block_size, kv_heads, rows->decode_tables, rows->decode_table_stride,
+                                   rows->decode_context_lens, rows->max_decode_context, scale, attention, half_cache);
+        if (rows->chunks)
+            paged_prefill_attention(qkv + decodes * qkv_width, qkv_width, rows->chunks, rows->query_starts,
+                                    rows->query_lens, rows->chunk_context_lens, heads, head_dim, layer->k_cache,
+                                    layer->v_cache, block_size, kv_heads, rows->chunk_tables, rows->chunk_table_stride,
+                                    scale, attention + decodes * q_width, half_cache);
+        project(layer->o, attention, T, q_width, hidden_size, hidden, scratch, int8_levels);
         rms_norm(hidden, residual, layer->post_attention_norm, T, hidden_size, eps, normed, residual);
-        project(layer->gate_up, normed, T, hidden_size, 2 * intermediate, gate_up, scratch, int8_activations);
+        project(layer->gate_up, normed, T, hidden_size, 2 * intermediate, gate_up, scratch, int8_levels);
         silu_and_mul(gate_up, T, intermediate, activated);
-        project(layer->down, activated, T, intermediate, hidden_size, hidden, scratch, int8_activations);
+        project(layer->down, activated, T, intermediate, hidden_size, hidden, scratch, int8_levels);
     }
     free(scratch);
     free(activated);
