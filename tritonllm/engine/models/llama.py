@@ -120,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         # dense decoder
         self.layers_in_one_call = False
         self.prefill_dtype = torch.float32  # what prompt rows compute in (use_weight_format)
-        self._layer_array: tuple[int, object] | None = None  # (the KV caches' address, the ops' layer array)
+        self._layer_array: tuple[tuple[int, ...], object] | None = None  # (the KV caches' addresses, the layer array)
 
     @classmethod
     def architecture(cls, config: dict) -> ModelArchitecture:
@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer through the CPU ops' llama_forward: the layers' own ops in their order, without ~10 Python
         dispatches a layer (the same numbers, to the bit), decode rows and prompt chunks alike."""
-        caches_at = kv_caches[0][0].data_ptr()
+        caches_at = tuple(cache.data_ptr() for caches in kv_caches for cache in caches)  # (every layer's: any may move)
         if self._layer_array is None or self._layer_array[0] != caches_at:
             self._layer_array = (caches_at, cpu_ops.decoder_layers([
                 {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight,
