@@ -518,6 +518,30 @@ def test_a_step_in_one_call_equals_the_layers_op_by_op(default_model_dir, weight
         assert len(states[0]) == 6 and all(torch.equal(a, b) for a, b in zip(*states))
 
 
+def test_the_one_call_forward_writes_each_layers_own_caches(default_model_dir):
+    """A caller's caches may keep the first layer's tensor and change the others': the forward writes the new ones."""
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.core.model_runner import load_model
+    from tritonllm.engine.layers.attention import AttentionMetadata, PrefillBatch
+
+    model, _ = load_model(EngineConfig(weight_format="int4"), default_model_dir, torch.device("cpu"))
+    assert model.layers_in_one_call
+    arch, n = model.arch, 6
+    shape = (n, 1, arch.num_kv_heads, arch.head_dim)
+
+    def fresh():
+        return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
+
+    positions, length = torch.arange(n), torch.tensor([n], dtype=torch.int32)
+    meta = AttentionMetadata(positions, 0, None, None,
+                             PrefillBatch(torch.zeros(1, dtype=torch.int32), length, length, positions[None]))
+    first = fresh()
+    model(torch.arange(100, 100 + n), positions, meta, first)
+    second = [first[0]] + fresh()[1:]
+    model(torch.arange(100, 100 + n), positions, meta, second)
+    assert all(k.abs().sum() > 0 and torch.equal(k, k_first) for (k, _), (k_first, _) in zip(second, first))
+
+
 def _recording(forward, batches: list):
     """forward, noting each step's attention metadata"""
     def recorded(input_ids, positions, meta, *args, **kwargs):
