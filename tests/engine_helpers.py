@@ -84,3 +84,20 @@ def assert_idle(engine: LLMEngine) -> None:
     stats = engine.stats()
     assert stats.running == 0 and stats.waiting == 0 and not engine.has_unfinished_requests()
     assert stats.free_blocks == stats.total_blocks and not engine.outputs.requests
+
+
+def assert_a_long_prompt_does_not_depend_on_its_chunks_or_its_batch(chunks_of_512: LLMEngine, chunks_of_300: LLMEngine,
+                                                                    short_prompts: list[str]) -> None:
+    """A 1,300-token prompt alone, beside decoding streams of `short_prompts` (its chunks shortened by their rows and
+    moved), and in another engine's chunks of 300: the same seeded tokens; the streams' too, with and without it."""
+    long_prompt = torch.randint(1000, 40000, (1300,), generator=torch.Generator().manual_seed(1)).tolist()
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    [alone] = generate(chunks_of_512, [long_prompt], seeded)
+    streams = [SamplingParams(max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True)
+               for seed in range(len(short_prompts))]
+    streams_alone = generate(chunks_of_512, short_prompts, streams)
+    together = generate(chunks_of_512, [*short_prompts, long_prompt], [*streams, seeded])
+    [other_chunks] = generate(chunks_of_300, [long_prompt], seeded)
+    assert together[-1].token_ids() == alone.token_ids() == other_chunks.token_ids()
+    assert [r.token_ids() for r in together[:-1]] == [r.token_ids() for r in streams_alone]
+    assert_idle(chunks_of_512)

@@ -11,8 +11,7 @@ import torch
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.core.model_runner import load_model
 from tritonllm.engine.llm_engine import LLMEngine
-from tritonllm.interface.parameters import SamplingParams
-from engine_helpers import assert_idle, generate, prefill_logits
+from engine_helpers import assert_a_long_prompt_does_not_depend_on_its_chunks_or_its_batch, prefill_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
 
@@ -47,19 +46,7 @@ def int8_engines(default_model_dir):
 
 
 def test_an_int8_prompts_output_does_not_depend_on_its_chunks_or_its_batch(int8_engines):
-    """A 1,300-token prompt alone, beside 4 decoding streams (its chunks shortened by their rows and moved), and in
-    another engine's chunks of 300: the same seeded tokens; the streams' too, with and without the prompt."""
-    long_prompt = torch.randint(1000, 40000, (1300,), generator=torch.Generator().manual_seed(1)).tolist()
-    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
-    chunks_of_512, chunks_of_300 = int8_engines
-    [alone] = generate(chunks_of_512, [long_prompt], seeded)
-    streams = [SamplingParams(max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True) for seed in range(4)]
-    streams_alone = generate(chunks_of_512, PROMPTS, streams)
-    together = generate(chunks_of_512, [*PROMPTS, long_prompt], [*streams, seeded])
-    [other_chunks] = generate(chunks_of_300, [long_prompt], seeded)
-    assert together[-1].token_ids() == alone.token_ids() == other_chunks.token_ids()
-    assert [r.token_ids() for r in together[:-1]] == [r.token_ids() for r in streams_alone]
-    assert_idle(chunks_of_512)
+    assert_a_long_prompt_does_not_depend_on_its_chunks_or_its_batch(*int8_engines, PROMPTS)
 
 
 def test_int8_prompts_take_int4_q8_weights_and_are_refused_for_weights_with_float32_inputs(default_model_dir):
