@@ -1,8 +1,9 @@
 """Long prompts in-process (no Triton): TTFT and prefill tok/s of one prompt at each length, with the share of that
-time in prefill attention, and the ITL of running decode streams while a long prompt arrives. With --before, a git
-revision's CPU ops and this checkout's are swapped between runs, alternating (the host's drift between separate
-processes can exceed the change), as bench/cpu_ops_ab.py does; with --prefill-dtypes float32,bfloat16 an engine of
-each prefill dtype runs, alternating.
+time in prefill attention, and the ITL of running decode streams (a stationary load: each replaced by a new one as
+it ends) while a long prompt arrives. With --before, a git revision's CPU ops and this checkout's are swapped
+between runs, alternating (the host's drift between separate processes can exceed the change), as
+bench/cpu_ops_ab.py does; with --prefill-dtypes float32,bfloat16 an engine of each prefill dtype runs,
+alternating.
 
     .venv/bin/python bench/prefill.py [--lengths 512,2048,8000] [--rounds 2] [--before main]
     .venv/bin/python bench/prefill.py --prefill-dtypes float32,bfloat16 [--model FILE.gguf]
@@ -80,26 +81,39 @@ def ttft(engine: LLMEngine, tokens: int, clock: AttentionClock) -> tuple[float, 
     return time.perf_counter() - started, clock.seconds
 
 
+STREAM_TOKENS = 128  # a decode stream's output before a new one takes its place
+
+
 def itl_during_arrival(engine: LLMEngine, streams: int, arrival: int, steps: int) -> tuple[list[float], list[float]]:
-    """`streams` decoding streams: their step times over `steps` steps alone, then while a prompt of `arrival`
-    tokens prefills (until its first token)."""
-    params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)  # outlive the arrival
-    for i in range(streams):
-        engine.add_request(Request(f"stream-{i}-{time.monotonic_ns()}", random_prompt(64), params))
-    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.core.scheduler.running) or \
-            len(engine.core.scheduler.running) < streams:
-        engine.step()
-    alone, during = [], []
-    for _ in range(steps):
-        started = time.perf_counter()
-        engine.step()
-        alone.append(time.perf_counter() - started)
-    long_id = f"arrival-{time.monotonic_ns()}"
-    engine.add_request(Request(long_id, random_prompt(arrival), SamplingParams(max_tokens=1, temperature=0.0)))
-    while True:
+    """`streams` decoding streams, their step times over `steps` steps alone, then while a prompt of `arrival`
+    tokens prefills (until its first token). The load is stationary: a stream that ends (after STREAM_TOKENS
+    tokens, the first ones staggered) is replaced by a new one of 64 prompt tokens, so the contexts stay within
+    the same range however long the prompt takes and both phases time the same work (streams that decoded on
+    for the prompt's minutes would slow down by their own growth)."""
+    def start(tokens: int) -> None:
+        engine.add_request(Request(f"stream-{time.monotonic_ns()}", random_prompt(64),
+                                   SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)))
+
+    def timed_step() -> tuple[float, list]:
         started = time.perf_counter()
         outputs = engine.step()
-        during.append(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        for output in outputs:
+            if output.finished and output.request_id.startswith("stream-"):
+                start(STREAM_TOKENS)
+        return seconds, outputs
+
+    for i in range(streams):
+        start(STREAM_TOKENS * (i + 1) // streams)
+    for _ in range(STREAM_TOKENS + 16):  # every stream replaced once: the staggered steady state
+        timed_step()
+    alone = [timed_step()[0] for _ in range(steps)]
+    long_id = f"arrival-{time.monotonic_ns()}"
+    engine.add_request(Request(long_id, random_prompt(arrival), SamplingParams(max_tokens=1, temperature=0.0)))
+    during = []
+    while True:
+        seconds, outputs = timed_step()
+        during.append(seconds)
         if any(o.request_id == long_id for o in outputs):
             break
     engine.abort_all()
@@ -137,7 +151,7 @@ def main() -> None:
     parser.add_argument("--before", help="a git revision whose CPU ops run alternately with this checkout's")
     parser.add_argument("--streams", type=int, default=0, help="decode streams for the ITL measurement (0: none)")
     parser.add_argument("--arrival", type=int, default=8000, help="prompt tokens arriving while they decode")
-    parser.add_argument("--steps", type=int, default=50, help="decode steps timed before the arrival")
+    parser.add_argument("--steps", type=int, default=2 * STREAM_TOKENS, help="decode steps timed before the arrival")
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--max-decode-slowdowns", default=str(EngineConfig.max_decode_slowdown),
                         help="an engine of each, alternating (e.g. 0,2: the token budget alone, then paced)")
@@ -192,7 +206,8 @@ def main() -> None:
                 print(f"{args.streams} streams, {name}: ITL alone p50 {statistics.median(alone) * 1e3:.1f} ms, "
                       f"p99 {percentile(alone, 0.99) * 1e3:.1f} ms; while {args.arrival} tokens prefill "
                       f"({len(during)} steps, {sum(during):.1f} s) p50 {statistics.median(during) * 1e3:.1f} ms, "
-                      f"p99 {percentile(during, 0.99) * 1e3:.1f} ms, max {max(during) * 1e3:.1f} ms", flush=True)
+                      f"p99 {percentile(during, 0.99) * 1e3:.1f} ms ({percentile(during, 0.99) / statistics.median(alone):.2f}x "
+                      f"the p50 alone), max {max(during) * 1e3:.1f} ms", flush=True)
 
 
 def library_op(library):

@@ -35,10 +35,11 @@ def distinct_prompt(length: int, start: int) -> list[int]:
     return list(range(start, start + length))
 
 
-def step(scheduler: Scheduler) -> list[ScheduledSequence]:
-    """One engine step with the model left out: schedule, mark the scheduled tokens computed and cache their full
-    blocks (as EngineCore.step does), and append SAMPLED_TOKEN to each sequence that samples."""
-    scheduled = scheduler.schedule()
+def step(scheduler: Scheduler, prompt_budget: int | None = None) -> list[ScheduledSequence]:
+    """One engine step with the model left out: schedule (with the pacer's `prompt_budget`), mark the scheduled
+    tokens computed and cache their full blocks (as EngineCore.step does), and append SAMPLED_TOKEN to each sequence
+    that samples."""
+    scheduled = scheduler.schedule(prompt_budget)
     for item in scheduled:
         samples = item.samples
         item.seq.num_computed_tokens += item.num_new_tokens

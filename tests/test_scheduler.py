@@ -101,6 +101,30 @@ def test_while_others_decode_prompt_chunks_take_at_most_the_prompt_budget_togeth
     assert planned(alone.schedule(prompt_budget=6)) == [(long, 32)]
 
 
+def test_a_short_prompt_arriving_behind_a_long_ones_paced_chunks_starts_within_steps():
+    """A prompt with fewer tokens left waiting behind a long one takes half the prompt room: it starts in the next
+    step and samples within a few, instead of waiting out the long prompt's many small chunks, which go on."""
+    sched = scheduler(num_blocks=128, max_num_batched_tokens=32, attention_equivalent=16)
+    decode = make_sequence(distinct_prompt(2, start=100))
+    sched.add(decode)
+    step(sched)
+    long = make_sequence(distinct_prompt(200, start=300))
+    sched.add(long)
+    for _ in range(3):
+        step(sched, prompt_budget=6)
+    short = make_sequence(distinct_prompt(6, start=600))
+    sched.add(short)
+    steps = 0
+    while short.num_output_tokens == 0:
+        scheduled = planned(step(sched, prompt_budget=6))
+        steps += 1
+        assert scheduled[0] == (decode, 1) and scheduled[1][0] is long and scheduled[1][1] >= 1
+    assert steps <= 3 and long.num_output_tokens == 0
+    later = make_sequence(distinct_prompt(6, start=700))
+    sched.add(later)
+    assert planned(step(sched, prompt_budget=0)) == [(decode, 1), (short, 1)]  # the pacer's decodes alone stay so
+
+
 def test_a_waiting_prompt_never_takes_the_running_decodes_budget():
     sched = scheduler(max_num_batched_tokens=4)
     running = [make_sequence(distinct_prompt(1, start=100 + 10 * i)) for i in range(3)]

@@ -7,7 +7,10 @@ While sequences decode, a prompt chunk is also charged for its attention to the 
 projection work, `attention_equivalent`: the context that costs one token's projections), so a chunk deep into a
 long prompt is smaller and a step with decodes in it takes about as long as one with a short prompt's chunk; and
 a step's prompt chunks together take at most `prompt_budget` of that work (step_pacer.py: what keeps the step
-within a bound on the decodes' inter-token latency).
+within a bound on the decodes' inter-token latency). A prompt chunk takes at most half of the room left for prompts
+while a prompt with fewer tokens left waits behind it (running, or queued with a sequence slot free): short requests
+arriving during a long prompt's minutes of small paced chunks start within steps instead of after it, and the long
+prompt still goes on.
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept, and the prefix cache usually makes the recompute cheap).
 A sequence whose prefix match reaches the storage tier leaves the queue while the blocks are read (holding no
@@ -26,6 +29,7 @@ priority. Waiting for a LoRA slot preempts nothing."""
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 import time
@@ -110,7 +114,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             prompt = not _decodes(seq)
-            num_new, cost = self._chunk(seq, min(budget, prompt_room) if prompt else budget, decoding)
+            room = budget
+            if prompt:
+                room = min(budget, prompt_room)
+                if self._shorter_prompt_behind(seq, index):
+                    room = (room + 1) // 2  # (none stays none: the pacer's steps of decodes alone)
+            num_new, cost = self._chunk(seq, room, decoding)
             if num_new == 0:  # a beam whose continuations wait for its siblings' (beam_search.py)
                 index += 1
                 continue
@@ -164,6 +173,14 @@ class Scheduler:
             budget -= cost
             prompt_room -= cost
         return scheduled
+
+    def _shorter_prompt_behind(self, seq: Sequence, index: int) -> bool:
+        """Whether a prompt with fewer tokens left than running[index]'s waits behind it for this step's room."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        behind = self.running[index + 1:]
+        if len(self.running) < self.max_num_seqs:
+            behind = itertools.chain(behind, self.waiting)
+        return any(not _decodes(other) and other.num_tokens - other.num_computed_tokens < left for other in behind)
 
     def step_work(self, scheduled: list[ScheduledSequence]) -> tuple[int, int]:
         """(decoding sequences, units of prompt work: tokens weighted as _chunk weighs them) of a step just

@@ -727,7 +727,7 @@ def llama_forward(layers: ctypes.Array, hidden: torch.Tensor, heads: int, kv_hea
             _checked(tensor, name, torch.int32, (count,))
         _checked(tables, "chunk_tables", torch.int64, (count, None))
         starts, lens, contexts, tables = (t.contiguous() for t in (starts, lens, contexts, _table(tables)))
-        if int((starts + lens).max()) != tokens - rows.decodes:
+        if int((starts + lens).max()) != tokens - rows.decodes or int(lens.min()) < 1:
             raise ValueError("chunks: their rows are not the rows after the decodes")
         kept += [starts, lens, contexts, tables]
         rows.chunks, rows.query_starts, rows.query_lens = count, starts.data_ptr(), lens.data_ptr()
