@@ -416,7 +416,8 @@ def measure_ours(args: argparse.Namespace, levels: list[int], prompts: LongPromp
     options = ["--weight-format", args.weight_format, "--kv-cache-dtype", args.kv_cache_dtype, "--max-num-seqs",
                str(slots), "--kv-cache-memory", str(kv_memory),
                *(["--quantization", args.quantization] if args.quantization else []),
-               *(["--prefill-dtype", args.prefill_dtype] if args.prefill_dtype else [])]
+               *(["--prefill-dtype", args.prefill_dtype] if args.prefill_dtype else []),
+               *(["--decode-dtype", args.decode_dtype] if args.decode_dtype else [])]
     measured = Measured(OURS, "this checkout", ["tritonllm", "serve", "--model", str(model), *options], None)
     if model.is_file():
         shutil.rmtree(converted_gguf_dir(model).parent, ignore_errors=True)
@@ -484,7 +485,8 @@ def measure_in_process(args: argparse.Namespace, levels: list[int], model_dir: P
     engine = LLMEngine(EngineConfig(model_path=str(model_dir), weight_format=args.weight_format,
                                     kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(levels),
                                     quantization=args.quantization or "none",
-                                    prefill_dtype=args.prefill_dtype or "auto"))
+                                    prefill_dtype=args.prefill_dtype or "auto",
+                                    decode_dtype=args.decode_dtype or "float32"))
     engine_run(engine, 1, WARM_UP_TOKENS)
     runner = engine.core.runner
     measured = Measured(IN_PROCESS, f"weights {runner.weight_format}, KV cache {runner.kv_dtype}", [], None)
@@ -580,6 +582,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CPU threads for every server (default: torch's, one per physical core)")
     parser.add_argument("--weight-format", default="auto", help="ours: --weight-format")
     parser.add_argument("--prefill-dtype", help="ours: --prefill-dtype (default: its own, auto)")
+    parser.add_argument("--decode-dtype", help="ours: --decode-dtype (default: its own, float32)")
     parser.add_argument("--kv-cache-dtype", help="ours: --kv-cache-dtype, and llama-server's KV cache type (default: "
                                                  "float16 with --llama-server, else auto)")
     parser.add_argument("--ready-timeout", type=float, default=1200,

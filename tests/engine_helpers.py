@@ -19,9 +19,9 @@ _ids = itertools.count()
 EXACT = {"dtype": "float32", "weight_format": "float32", "prefill_dtype": "float32"}
 
 
-def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """A model's (any registered class) logits at every position of one prompt, computed in one prefill through the
-    paged attention path, with a fresh KV cache of one token per block in the model's dtype."""
+def prefill_hidden(model, token_ids: list[int]) -> torch.Tensor:
+    """A model's (any registered class) final hidden states at every position of one prompt, computed in one prefill
+    through the paged attention path, with a fresh KV cache of one token per block in the model's dtype."""
     arch, n, dtype = model.arch, len(token_ids), model.embed_tokens.weight.dtype
     shape = (n, 1, arch.num_kv_heads, arch.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
@@ -30,7 +30,26 @@ def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
     meta = AttentionMetadata(positions, 0, None, None,
                              PrefillBatch(torch.zeros(1, dtype=torch.int32), length, length, positions[None]))
     hidden, _ = model(torch.tensor(token_ids), positions, meta, caches)
-    return model.compute_logits(hidden)
+    return hidden
+
+
+def prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """prefill_hidden's positions through the model's final norm and LM head."""
+    return model.compute_logits(prefill_hidden(model, token_ids))
+
+
+def decode_hidden(model, token_ids: list[int]) -> torch.Tensor:
+    """prefill_hidden's hidden states, each position computed as a decode row: the prompt fed one token a step."""
+    arch, n, dtype = model.arch, len(token_ids), model.embed_tokens.weight.dtype
+    shape = (n, 1, arch.num_kv_heads, arch.head_dim)
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(arch.num_layers)]
+    hidden = []
+    for position, token in enumerate(token_ids):
+        at = torch.tensor([position])
+        meta = AttentionMetadata(at, 1, torch.arange(position + 1)[None],
+                                 torch.tensor([position + 1], dtype=torch.int32))
+        hidden.append(model(torch.tensor([token]), at, meta, caches)[0])
+    return torch.cat(hidden)
 
 
 class TorchOps(TorchDispatchMode):

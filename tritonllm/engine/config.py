@@ -15,7 +15,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # tritonllm/engine/core/scheduler.py
 # tritonllm/engine/layers/linear.py says what each is
 WEIGHT_FORMATS = ("auto", "float32", "float16", "bfloat16", "int8", "int4", "int4-q8")
 KV_CACHE_DTYPES = ("auto", "float16")  # tritonllm/engine/core/model_runner.py: kv_cache_dtype
-PREFILL_DTYPES = ("auto", "float32", "bfloat16", "int8")  # tritonllm/engine/layers/prompt_rows.py
+PREFILL_DTYPES = ("auto", "float32", "bfloat16", "int8")  # tritonllm/engine/layers/row_dtype.py
+DECODE_DTYPES = ("float32", "int8")
 # llama.cpp's block types an HF checkpoint may be quantized to at load (tritonllm/engine/models/weights.py)
 QUANTIZATIONS = ("none", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k")
 
@@ -83,10 +84,16 @@ class EngineConfig:
                                          "others keep bf16 weights beside the format's, 2 bytes a weight), int8 "
                                          "(int4-q8's kernels with one level of int8 codes for their inputs, "
                                          "llama.cpp's numerics, where decode rows take two: half the integer work), "
-                                         "or auto: bfloat16 on CPUs with AMX or AVX512-BF16 and float32 activations "
-                                         "unless that needs a copy of a GGUF read as its blocks alone, else "
-                                         "float32",
+                                         "or auto: int8 with decode_dtype int8, bfloat16 on CPUs with AMX or "
+                                         "AVX512-BF16 and float32 activations unless that needs a copy of a GGUF "
+                                         "read as its blocks alone, else float32",
                                  choices=PREFILL_DTYPES)
+    decode_dtype: str = setting("float32", "the CPU engine's decode tokens and LM head: float32 (exact; int4-q8's "
+                                           "kernels take two levels of int8 codes for their inputs, near-exact) or "
+                                           "int8 (int4-q8's kernels with one level: llama.cpp's numerics, half the "
+                                           "integer work of a batched step; prompts then int8 too unless "
+                                           "prefill_dtype says otherwise)",
+                                choices=DECODE_DTYPES)
     device: str = setting("auto", "cpu, cuda or auto (cuda when available)")
     kv_cache_memory: int = setting(1 << 30, "bytes for the paged KV cache of each engine instance (e.g. 512MiB, 8GiB)",
                                    parse=parse_size)

@@ -1,5 +1,5 @@
 """Causal prefill attention on the CPU's bf16 matrix units, for prompts computed in bfloat16
-(engine/layers/prompt_rows.py): the CPU ops' bf16 kernel (kernels/cpu/attention_bf16.c: AMX tiles, or AVX512-BF16
+(engine/layers/row_dtype.py): the CPU ops' bf16 kernel (kernels/cpu/attention_bf16.c: AMX tiles, or AVX512-BF16
 dot products) where the library and the head size allow it, else torch's flash-attention kernel (AMX or AVX512-BF16
 through oneDNN) over K/V gathered from the paged cache. Same inputs and meaning as prefill_attention_reference;
 either way a position's result does not depend on how its prompt was cut into chunks or on what else ran in the

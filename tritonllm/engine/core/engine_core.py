@@ -88,7 +88,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         model = model_key(files_digest(model_dir), model_class=type(self.runner.model).__name__, arch=arch,
                           weights=self.runner.weight_format, activations=self.runner.dtype,
-                          prompts=self.runner.prefill_dtype, kv_dtype=self.runner.kv_dtype,
+                          prompts=self.runner.prefill_dtype, decodes=self.runner.decode_dtype, kv_dtype=self.runner.kv_dtype,
                           block_size=config.block_size, device=self.runner.device.type)
         blocks = DeviceBlocks(self.runner.kv_caches)
         tiered = config.enable_prefix_caching  # (the tiers hold cached prefixes)

@@ -97,20 +97,26 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
         if config.prefill_dtype in ("bfloat16", "int8"):
             raise ValueError(f"prefill_dtype {config.prefill_dtype} is for the CPU engine (on CUDA prompts compute "
                              "in the activations' dtype)")
+        if config.decode_dtype == "int8":
+            raise ValueError("decode_dtype int8 is for the CPU engine (on CUDA decodes compute in the activations' "
+                             "dtype)")
         return registry.from_pretrained(model_dir, dtype, device), f"{dtype} (dense)"
     cpu_ops.load(cpu_ops_dir())  # before the formats are chosen: it offers one
     model, blocks = registry.load_for_cpu(model_dir, config.quantization)
     blocks_alone = any(parameter.is_meta for parameter in model.parameters())  # a GGUF read without a dense copy
-    # int8 prompts are int4-q8's kernels with one level of codes: auto means that format then
+    # int8 rows are int4-q8's kernels with one level of codes: auto means that format then
+    requested_prefill = "int8" if config.decode_dtype == "int8" and config.prefill_dtype == "auto" \
+        else config.prefill_dtype
     weight_format = config.weight_format
-    if config.prefill_dtype == "int8" and weight_format == "auto":
+    if "int8" in (requested_prefill, config.decode_dtype) and weight_format == "auto":
         weight_format = "int4-q8"
     options = candidates(weight_format, dtype, has_blocks=blocks is not None, blocks_alone=blocks_alone)
     if blocks_alone and not all(option.runs_blocks_alone for option in options):
         model.dequantize_projections(blocks)
 
-    def in_format(model: LlamaForCausalLM, choice: Choice, prefill=torch.float32, last_use=False) -> LlamaForCausalLM:
-        model.use_weight_format(choice, blocks, prefill, last_use)
+    def in_format(model: LlamaForCausalLM, choice: Choice, prefill=torch.float32, decode=torch.float32,
+                  last_use=False) -> LlamaForCausalLM:
+        model.use_weight_format(choice, blocks, prefill, decode, last_use)
         return model.to(choice.dtype)
 
     layers = _probe_layers(model)
@@ -119,13 +125,15 @@ def load_model(config: EngineConfig, model_dir: Path, device: torch.device) -> t
                  "memory available)", layers)
     choice = choose_format(options, lambda option: _decode_step_seconds(in_format(_copy(model, layers), option)))
     prompts_on_blocks = choice.blocks and cpu_ops.has_bf16_ops()  # (Projection's)
-    prefill = prefill_dtype(config.prefill_dtype, choice, blocks_alone and not prompts_on_blocks)
+    decode = int8_rows("decode_dtype", choice) if config.decode_dtype == "int8" else torch.float32
+    prefill = prefill_dtype(requested_prefill, choice, blocks_alone and not prompts_on_blocks)
     if prefill == torch.bfloat16:
         arch = model.arch
         prefill_attention_bf16.warm_up(arch.num_heads, arch.num_kv_heads, arch.head_dim)
     prompts = "" if prefill == torch.float32 else f", {str(prefill).removeprefix('torch.')} prompts"
+    decodes = "" if decode == torch.float32 else ", int8 decodes"
     quantized = "" if config.quantization == "none" else f", quantized at load to {config.quantization}"
-    return in_format(model, choice, prefill, last_use=True), choice.describe() + prompts + quantized
+    return in_format(model, choice, prefill, decode, last_use=True), choice.describe() + prompts + decodes + quantized
 
 
 def return_freed_memory() -> None:
@@ -151,17 +159,14 @@ def zeroed_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
 
 
 def prefill_dtype(requested: str, choice: Choice, needs_copy: bool) -> torch.dtype:
-    """What the CPU engine's prompt rows compute in (engine/layers/prompt_rows.py). auto takes bf16 where it was
+    """What the CPU engine's prompt rows compute in (engine/layers/row_dtype.py). auto takes bf16 where it was
     measured to win (long prompts: AMX 3-4x faster, AVX512-BF16 alone 2.2-2.6x) and keeps every greedy continuation
     of the accuracy set (tests/test_weight_formats.py), but not where it `needs_copy`, a bf16 copy of weights read as
     a GGUF's blocks alone (whose point is no dense copy): the CPU ops run prompts on the blocks themselves. int8: one
     level of int8 codes for the prompt rows of weights whose kernels quantize their inputs (int4-q8)."""
     activations = choice.dtype
     if requested == "int8":
-        if not choice.int8_activations:
-            raise ValueError(f"prefill_dtype=int8 is for weights whose kernels quantize their inputs to int8 codes "
-                             f"(weight_format int4-q8), not {choice.describe()}")
-        return torch.int8
+        return int8_rows("prefill_dtype", choice)
     if requested == "auto":
         native = activations == torch.float32 and cpu_has_bf16() and onednn_available() and not needs_copy
         return torch.bfloat16 if native else torch.float32
@@ -174,6 +179,15 @@ def prefill_dtype(requested: str, choice: Choice, needs_copy: bool) -> torch.dty
         raise ValueError(f"prefill_dtype={requested} needs a CPU with bf16 hardware (AMX or AVX512-BF16) and oneDNN; "
                          "without them bf16 is emulated, slower than float32")
     return torch.bfloat16
+
+
+def int8_rows(setting: str, choice: Choice) -> torch.dtype:
+    """int8 rows (prefill_dtype or decode_dtype int8): one level of int8 codes, for weights whose kernels quantize
+    their inputs (int4-q8)."""
+    if not choice.int8_activations:
+        raise ValueError(f"{setting}=int8 is for weights whose kernels quantize their inputs to int8 codes "
+                         f"(weight_format int4-q8), not {choice.describe()}")
+    return torch.int8
 
 
 def _probe_layers(model: LlamaForCausalLM) -> int:
@@ -240,7 +254,7 @@ class ModelRunner:
         self.model, self.weight_format = load_model(config, model_dir, self.device)
         return_freed_memory()
         self.dtype = self.model.embed_tokens.weight.dtype
-        self.prefill_dtype = self.model.prefill_dtype
+        self.prefill_dtype, self.decode_dtype = self.model.prefill_dtype, self.model.decode_dtype
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         arch = self.model.arch
         block_shape = (self.block_size, arch.num_kv_heads, arch.head_dim)

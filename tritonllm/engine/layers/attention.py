@@ -4,7 +4,7 @@ The flat batch puts single-token queries (decodes) first, then multi-token prefi
 are written to the cache through `slot_mapping`; each sequence then attends to its whole context, read back
 through its block table, so cached prefixes and earlier chunks are seen exactly like fresh tokens. The ops
 come from `kernels` (Triton on CUDA, the C ops on float32 CPU tensors, torch references elsewhere); prompt rows
-computed in bf16 (prompt_rows.py) attend through torch's flash kernel on the CPU's bf16 matrix units."""
+computed in bf16 (row_dtype.py) attend through torch's flash kernel on the CPU's bf16 matrix units."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tritonllm import kernels
-from tritonllm.engine.layers.prompt_rows import matmul_dtype
+from tritonllm.engine.layers.row_dtype import matmul_dtype
 from tritonllm.kernels.decode_attention import DecodeWorkspace
 from tritonllm.kernels.prefill_attention_bf16 import prefill_attention_bf16
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tritonllm.engine.config import WEIGHT_FORMATS
-from tritonllm.engine.layers.prompt_rows import activation_levels, matmul_dtype
+from tritonllm.engine.layers.row_dtype import activation_levels, matmul_dtype
 from tritonllm.kernels import cpu as cpu_ops
 from tritonllm.kernels.cpu import super_blocks
 
@@ -227,7 +227,7 @@ class MixedWeight:
 
 class Projection(nn.Module):
     """y = x @ W.T (+ bias) for one weight format and kernel; replaces an nn.Linear after loading. With
-    prefill_dtype=bfloat16 prompt rows (engine/layers/prompt_rows.py) run on the CPU's bf16 matrix units: straight
+    prefill_dtype=bfloat16 prompt rows (engine/layers/row_dtype.py) run on the CPU's bf16 matrix units: straight
     from the GGUF's blocks where the projection is such blocks (the CPU ops' block_matmul_bf16: AMX tiles or
     AVX512-BF16 dot products), else on bf16 weights prepacked for oneDNN, a copy. Either computes each row alike whatever the batch's size."""
 

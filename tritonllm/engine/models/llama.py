@@ -19,7 +19,7 @@ from tritonllm.engine.layers.attention import AttentionMetadata, paged_attention
 from tritonllm.engine.layers.embedding import BlockEmbedding
 from tritonllm.engine.layers.linear import Choice
 from tritonllm.engine.layers.lora import LayerLora
-from tritonllm.engine.layers.prompt_rows import activation_levels, computing_prompt_rows, matmul_dtype
+from tritonllm.engine.layers.row_dtype import activation_levels, computing_rows, matmul_dtype
 from tritonllm.engine.layers.moe import SparseMoeMLP
 from tritonllm.engine.layers.norm import RMSNorm
 from tritonllm.engine.layers.rotary import RotaryEmbedding
@@ -120,6 +120,7 @@ class LlamaForCausalLM(nn.Module):
         # dense decoder
         self.layers_in_one_call = False
         self.prefill_dtype = torch.float32  # what prompt rows compute in (use_weight_format)
+        self.decode_dtype = torch.float32  # what decode rows and the LM head compute in (use_weight_format)
         self._layer_array: tuple[tuple[int, ...], object] | None = None  # (the KV caches' addresses, the layer array)
 
     @classmethod
@@ -134,11 +135,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [tokens] → (final hidden states [tokens, hidden] before the last norm, routing).
         lora: per layer, the adapters of the batch's tokens (None: no token uses one).
         routing: with record_routing on a model with MoE layers, the expert ids each token was routed to,
-        [tokens, MoE layers, top_k] most likely first; else None. Under a bf16 prefill_dtype, a step's decode rows
-        and prompt rows run as two forwards (_decodes_then_prompts)."""
-        if self.prefill_dtype != torch.float32 and meta.prefill is not None:
+        [tokens, MoE layers, top_k] most likely first; else None. Where prefill_dtype and decode_dtype differ, a
+        step's decode rows and prompt rows run as two forwards (_decodes_then_prompts)."""
+        if meta.prefill is not None and self.prefill_dtype != self.decode_dtype:
             return self._decodes_then_prompts(input_ids, positions, meta, kv_caches, lora, record_routing)
-        return self._layers(input_ids, positions, meta, kv_caches, lora, record_routing)
+        with computing_rows(self.decode_dtype):
+            return self._layers(input_ids, positions, meta, kv_caches, lora, record_routing)
 
     def _layers(self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora, record_routing
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -158,20 +160,21 @@ class LlamaForCausalLM(nn.Module):
 
     def _decodes_then_prompts(self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora, record_routing
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A step with prompt rows under prefill_dtype: its decode rows, then its prompt rows in that dtype, as two
+        """A step with prompt rows: its decode rows in decode_dtype, then its prompt rows in prefill_dtype, as two
         forwards (a row attends to its own sequence only), so that neither depends on the other."""
         decodes = meta.num_decode_tokens
         prompt_meta = replace(meta, slot_mapping=meta.slot_mapping[decodes:], num_decode_tokens=0,
                               decode_block_tables=None, decode_context_lens=None)
         prompt_lora = _rows_of(lora, slice(decodes, None))
-        with computing_prompt_rows(self.prefill_dtype):
+        with computing_rows(self.prefill_dtype):
             prompt_hidden, prompt_routing = self._layers(input_ids[decodes:], positions[decodes:], prompt_meta,
                                                          kv_caches, prompt_lora, record_routing)
         if not decodes:
             return prompt_hidden, prompt_routing
         decode_meta = replace(meta, slot_mapping=meta.slot_mapping[:decodes], prefill=None)
-        hidden, routing = self._layers(input_ids[:decodes], positions[:decodes], decode_meta, kv_caches,
-                                       _rows_of(lora, slice(None, decodes)), record_routing)
+        with computing_rows(self.decode_dtype):
+            hidden, routing = self._layers(input_ids[:decodes], positions[:decodes], decode_meta, kv_caches,
+                                           _rows_of(lora, slice(None, decodes)), record_routing)
         return (torch.cat([hidden, prompt_hidden]),
                 None if routing is None else torch.cat([routing, prompt_routing]))
 
@@ -210,10 +213,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits_of_normed(self, normed: torch.Tensor) -> torch.Tensor:
-        """The LM head over hidden states after the final norm."""
+        """The LM head over hidden states after the final norm (computed as decode rows are, whatever the rows)."""
         if self.lm_head is None:  # tied, in its loaded form
             return F.linear(normed, self.embed_tokens.weight).float()
-        return self.lm_head(normed).float()
+        with computing_rows(self.decode_dtype):
+            return self.lm_head(normed).float()
 
     def _projections(self, layer: int) -> list[tuple[nn.Module, str]]:
         """(owner, attribute) of one layer's projections that take the weight format, in the block reader's order."""
@@ -229,11 +233,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def use_weight_format(self, choice: Choice, blocks: GgufBlocks | None,
-                          prefill_dtype: torch.dtype = torch.float32, last_use: bool = False) -> None:
+                          prefill_dtype: torch.dtype = torch.float32, decode_dtype: torch.dtype = torch.float32,
+                          last_use: bool = False) -> None:
         """Replace every dense projection and the LM head by `choice`'s (the weights are fp32 here);
         blocks: the GGUF's blocks of projection_weights(layer) and of the head, for int4 and int4-q8;
         prefill_dtype bfloat16: prompt rows run on the blocks (the CPU ops' bf16 op), else on bf16 copies (2 bytes a
-        weight). last_use: a layer's blocks are let go once its projections are made (a format that repacks them,
+        weight). decode_dtype int8: decode rows and the LM head take one level of int8 codes (int4-q8). last_use: a layer's blocks are let go once its projections are made (a format that repacks them,
         int4-q8, then holds one layer's twice at most, not the model's)."""
         for index in range(len(self.layers)):
             owners = self._projections(index)
@@ -246,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
                 setattr(owner, name, projection)
             if blocks and last_use:
                 blocks.layers[index] = None
-        self.prefill_dtype = prefill_dtype
+        self.prefill_dtype, self.decode_dtype = prefill_dtype, decode_dtype
         self.lm_head = choice.make_head(self.head_weight(), blocks.head if blocks and choice.blocks else None)
         if blocks and blocks.embedding is not None and choice.runs_blocks_alone:
             self.embed_tokens = BlockEmbedding(blocks.embedding)  # no dense copy of it
