@@ -20,6 +20,14 @@ def scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_token
                      lora_slots, policy, attention_equivalent)
 
 
+def decoding(sched: Scheduler) -> Sequence:
+    """A sequence past its 2-token prompt in `sched`, decoding from the next step on."""
+    decode = make_sequence(distinct_prompt(2, start=100))
+    sched.add(decode)
+    step(sched)
+    return decode
+
+
 def test_decodes_take_one_token_each_and_a_long_prompt_is_prefilled_in_chunks_of_what_is_left():
     sched = scheduler(max_num_batched_tokens=16)
     a, b = make_sequence(distinct_prompt(3, start=100)), make_sequence(distinct_prompt(5, start=200))
@@ -54,9 +62,7 @@ def test_while_others_decode_a_prompt_chunk_is_charged_for_its_context_too():
     assert chunks == [32, 32, 32, 4]
 
     beside = scheduler(num_blocks=128, max_num_batched_tokens=32, attention_equivalent=16)
-    decode = make_sequence(distinct_prompt(2, start=100))
-    beside.add(decode)
-    step(beside)
+    decode = decoding(beside)
     long = make_sequence(distinct_prompt(100, start=300))
     beside.add(long)
     chunks = []
@@ -74,9 +80,7 @@ def test_while_others_decode_prompt_chunks_take_at_most_the_prompt_budget_togeth
     """The pacer's bound (step_pacer.py): beside a decode, two prompts' chunks share `prompt_budget` (attention
     weighing them too), the decode keeps its token; with nothing decoding the bound does not apply."""
     sched = scheduler(num_blocks=128, max_num_batched_tokens=32, attention_equivalent=16)
-    decode = make_sequence(distinct_prompt(2, start=100))
-    sched.add(decode)
-    step(sched)
+    decode = decoding(sched)
     first, second = make_sequence(distinct_prompt(40, start=300)), make_sequence(distinct_prompt(40, start=400))
     sched.add(first)
     sched.add(second)
@@ -105,9 +109,7 @@ def test_a_short_prompt_arriving_behind_a_long_ones_paced_chunks_starts_within_s
     """A prompt with fewer tokens left waiting behind a long one takes half the prompt room: it starts in the next
     step and samples within a few, instead of waiting out the long prompt's many small chunks, which go on."""
     sched = scheduler(num_blocks=128, max_num_batched_tokens=32, attention_equivalent=16)
-    decode = make_sequence(distinct_prompt(2, start=100))
-    sched.add(decode)
-    step(sched)
+    decode = decoding(sched)
     long = make_sequence(distinct_prompt(200, start=300))
     sched.add(long)
     for _ in range(3):

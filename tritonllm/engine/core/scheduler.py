@@ -176,11 +176,11 @@ class Scheduler:
 
     def _shorter_prompt_behind(self, seq: Sequence, index: int) -> bool:
         """Whether a prompt with fewer tokens left than running[index]'s waits behind it for this step's room."""
-        left = seq.num_tokens - seq.num_computed_tokens
+        left = _tokens_left(seq)
         behind = self.running[index + 1:]
         if len(self.running) < self.max_num_seqs:
             behind = itertools.chain(behind, self.waiting)
-        return any(not _decodes(other) and other.num_tokens - other.num_computed_tokens < left for other in behind)
+        return any(not _decodes(other) and _tokens_left(other) < left for other in behind)
 
     def step_work(self, scheduled: list[ScheduledSequence]) -> tuple[int, int]:
         """(decoding sequences, units of prompt work: tokens weighted as _chunk weighs them) of a step just
@@ -197,7 +197,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int, decoding: bool) -> tuple[int, int]:
         """(tokens of `seq` to compute this step, the budget they take): while others decode, a prompt chunk's
         tokens weigh _weight each."""
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        num_new = min(_tokens_left(seq), budget)
         if not decoding or num_new <= 1:
             return num_new, num_new
         weight = self._weight(seq)
@@ -283,9 +283,14 @@ class Scheduler:
             seq.lora_slot = -1
 
 
+def _tokens_left(seq: Sequence) -> int:
+    """Tokens of the sequence not yet computed (a decode's one newest token, or what is left of its prompt)."""
+    return seq.num_tokens - seq.num_computed_tokens
+
+
 def _decodes(seq: Sequence) -> bool:
     """Whether the sequence's next step computes its one newest token (it decodes) rather than prompt tokens."""
-    return seq.num_tokens - seq.num_computed_tokens == 1 and seq.num_output_tokens > 0
+    return _tokens_left(seq) == 1 and seq.num_output_tokens > 0
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:
