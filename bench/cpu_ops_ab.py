@@ -3,11 +3,12 @@ CPU ops (tritonllm/kernels/cpu, or kernels/cpu before the namespace) and of this
 processes can exceed the change), at each streams level; prints each run and the medians.
 
     .venv/bin/python bench/cpu_ops_ab.py --before b5d3932 [--model FILE.gguf] [--streams 1,32] [--rounds 4] [--tokens 128]
+        [--weight-format int4-q8] [--decode-dtype int8]
     TRITONLLM_CPU_MARCH=x86-64-v3 .venv/bin/python bench/cpu_ops_ab.py --before ...   # both built for AVX2
 
 Everything but the ops (model, scheduler, sampler's torch parts) is this checkout's, so a revision whose ops take
 other arguments cannot be compared this way; the workload is bench/throughput.py's engine_run (temperature 0.7,
-EOS ignored, int4 weights: the weight format whose projections are the ops')."""
+EOS ignored; int4 weights unless --weight-format names another format)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,12 @@ def main() -> None:
     parser.add_argument("--streams", default="1,32")
     parser.add_argument("--rounds", type=int, default=4, help="runs of each build per streams level")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--weight-format", default="int4", help="the engine's weight_format (int4-q8: the int8 ops)")
+    parser.add_argument("--decode-dtype", default="float32", help="the engine's decode_dtype")
     args = parser.parse_args()
     model = resolve_model_path(args.model) if args.model else prepare_default_model()
-    engine = LLMEngine(EngineConfig(model_path=str(model), weight_format="int4",
+    engine = LLMEngine(EngineConfig(model_path=str(model), weight_format=args.weight_format,
+                                    decode_dtype=args.decode_dtype,
                                     max_num_seqs=max(int(s) for s in args.streams.split(","))))
     with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
         builds = {f"before ({args.before})": built_ops(args.before, Path(before_dir)),

@@ -65,8 +65,8 @@ static void free_scratch(AttentionScratch scratch) {
 /* partial[j]: the lanes of q · keys[j] for j < count (the rest 0), each summed over D's vectors in order, then
  * its tail in lane 0. A whole vector of keys goes interleaved: VLEN independent sums keep the FMA units busy where
  * one key's sum at a time waits on each FMA's latency. */
-static inline __attribute__((always_inline)) void key_partials(const float *q, int64_t D, const void *const *keys,
-                                                                int64_t count, vf *partial, const int half) {
+INLINED void key_partials(const float *q, int64_t D, const void *const *keys, int64_t count, vf *partial,
+                          const int half) {
     for (int j = 0; j < VLEN; j++) partial[j] = (vf){0};
     const int64_t whole = D / VLEN * VLEN;
     if (count == VLEN)
@@ -85,9 +85,8 @@ static inline __attribute__((always_inline)) void key_partials(const float *q, i
 /* keys_by_dim [D][KEY_TILE] = the tile's `count` keys (rows[0 ..]) transposed, fp32; keys past count 0. 8 x 8
  * blocks through registers. The next tile's `ahead` keys (rows[KEY_TILE ..]) are requested meanwhile: the cache
  * misses of a long context's keys were most of the transpose's time. */
-static inline __attribute__((always_inline)) void transpose_key_tile(const void *k_cache, const int64_t *rows,
-                                                                     int64_t count, int64_t ahead, int64_t D,
-                                                                     float *keys_by_dim, const int half) {
+INLINED void transpose_key_tile(const void *k_cache, const int64_t *rows, int64_t count, int64_t ahead, int64_t D,
+                                float *keys_by_dim, const int half) {
     for (int64_t j0 = 0; j0 < KEY_TILE; j0 += 8)
         for (int64_t d0 = 0; d0 < D; d0 += 8) {
             for (int64_t j = j0; d0 == 0 && j < j0 + 8 && j < ahead; j++)
@@ -158,10 +157,9 @@ static __attribute__((noinline)) void tile_scores(const float *const *query, int
 
 /* sums[r] (D floats) += weights[r][p] V[p] for p in [start, end) of rows (V rows: rows[p] in v_cache), each
  * element's sum carried in p's order, as the one-query loop does: `count` query heads share each V load. */
-static inline __attribute__((always_inline)) void tile_value_sums_of(const float *const *weights, float *const *sums,
-                                                                   int64_t count, int64_t D, const void *v_cache,
-                                                                   const int64_t *rows, int64_t start, int64_t end,
-                                                                   int64_t prefetch_end, const int half) {
+INLINED void tile_value_sums_of(const float *const *weights, float *const *sums, int64_t count, int64_t D,
+                                const void *v_cache, const int64_t *rows, int64_t start, int64_t end,
+                                int64_t prefetch_end, const int half) {
     for (int64_t r0 = 0; r0 < count; r0 += VALUE_ROWS) {
         const int R = count - r0 < VALUE_ROWS ? (int)(count - r0) : VALUE_ROWS;
         for (int64_t c = 0; c < D; c += 2 * VLEN) {
@@ -222,7 +220,7 @@ static void context_rows(int64_t *rows, int64_t from, int64_t to, const int64_t 
  * through memory between key tiles unrounded): decode rows (a tile of one) and prefill rows give a position the
  * same bits, however it was batched or chunked; the tile only shares the loads, each K and V row read from memory
  * once per tile instead of once per query. Inlined with `half` a constant: a copy per cache type. */
-static inline __attribute__((always_inline)) void split_partials_of(
+INLINED void split_partials_of(
     const float *qs, int64_t q_stride, int64_t queries, int64_t group, int64_t D, int64_t n, int64_t s0,
     int64_t known, const void *k_cache, const void *v_cache, float scale, AttentionScratch scratch, const int half) {
     float *const scores = scratch.scores, *const acc = scratch.acc;

@@ -182,9 +182,8 @@ static inline void accumulate_by_dot_products(const uint16_t *values,
 
 /* One task: queries at positions first .. first + count - 1 (rows q, q + q_stride, ...) of one head, over the
  * copied key blocks of its kv head; out rows out_stride floats apart. Inlined with `tiles` a constant. */
-static inline __attribute__((always_inline)) void attend_tile(const float *q, int64_t q_stride, int64_t count,
-                                                              int64_t first, const uint16_t *blocks, float scale,
-                                                              float *out, int64_t out_stride, const int tiles) {
+INLINED void attend_tile(const float *q, int64_t q_stride, int64_t count, int64_t first, const uint16_t *blocks,
+                         float scale, float *out, int64_t out_stride, const int tiles) {
     uint16_t queries[2][16][AMX_QUERIES * 2] __attribute__((aligned(64)));
     uint16_t probabilities[2][16][AMX_QUERIES * 2] __attribute__((aligned(64)));
     float scores[AMX_KEYS][AMX_QUERIES] __attribute__((aligned(64)));

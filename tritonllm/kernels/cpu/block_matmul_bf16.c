@@ -251,9 +251,8 @@ static void multiply_task_on_tiles(const uint16_t *left, int64_t blocks, const u
 
 #define DOT_TOKENS 8 /* tokens x 2 x 16 output rows: 16 vectors of sums */
 
-static inline __attribute__((always_inline)) void dot_tokens(const uint16_t *tokens, int64_t stride, int64_t blocks,
-                                                             const uint16_t *operands, const int groups, float *out,
-                                                             int64_t y_stride) {
+INLINED void dot_tokens(const uint16_t *tokens, int64_t stride, int64_t blocks, const uint16_t *operands,
+                        const int groups, float *out, int64_t y_stride) {
     __m512 sums[DOT_TOKENS][2];
     for (int t = 0; t < DOT_TOKENS; t++) sums[t][0] = sums[t][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {

@@ -190,9 +190,10 @@ int64_t dequantize_blocks(int64_t kind, const uint8_t *weights, int64_t N, int64
 #define SECOND_LEVEL (1 << SECOND_LEVEL_BITS)
 
 typedef struct { /* a step's activations, quantized: [T][K] codes of each level, and per [T][K / 32] block
-                  * dx / 256 and 256 Σ q1 + Σ q2, over its 32 inputs and over its first 16 (Q6_K's scales' span) */
+                  * dx / 256 and 256 Σ q1 + Σ q2, over its 32 inputs and over its first 16 (Q6_K's scales' span), and
+                  * their product sx (with one level: dx, Σ q1 and their product, the same numbers) */
     int8_t *q1, *q2;
-    float *d;
+    float *d, *d_sum;
     int32_t *sum, *first_half;
 } Q8Activations;
 
@@ -213,8 +214,9 @@ static inline int32_t sum_lanes(__m256i v) {
 
 /* One token's K inputs (K a multiple of 32) as codes of both levels (one: the second's codes 0), scales and sums of
  * codes. */
-static void quantize_q8(const float *x, int64_t K, int levels, int8_t *q1, int8_t *q2, float *d, int32_t *sum,
-                        int32_t *first_half) {
+static void quantize_q8(const float *x, int64_t K, int levels, int8_t *q1, int8_t *q2, float *d, float *d_sum,
+                        int32_t *sum, int32_t *first_half) {
+    const int first_shift = levels == 1 ? 0 : SECOND_LEVEL_BITS; /* one level: no second codes to make room for */
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     /* q2 within ±127 (256 · 0.5 rounds to 128): a sign flip of -128 (the AVX2 Q8_0 path's) would overflow */
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
@@ -236,14 +238,14 @@ static void quantize_q8(const float *x, int64_t K, int levels, int8_t *q1, int8_
             second[i] = levels == 1 ? _mm256_setzero_si256()
                                     : _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(
                                                            left, _mm256_set1_ps((float)SECOND_LEVEL))), top), bottom);
-            total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(first[i], SECOND_LEVEL_BITS),
-                                                             second[i]));
+            total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(first[i], first_shift), second[i]));
             if (i == 1) first_half[b] = sum_lanes(total);
         }
         store_codes(q1 + b * QUANT_BLOCK, first);
         store_codes(q2 + b * QUANT_BLOCK, second);
-        d[b] = absmax / (127.0f * SECOND_LEVEL);
+        d[b] = absmax / (127.0f * (1 << first_shift));
         sum[b] = sum_lanes(total);
+        d_sum[b] = d[b] * (float)sum[b];
     }
 }
 
@@ -252,11 +254,11 @@ static Q8Activations quantize_rows(const float *x, int64_t T, int64_t K, int lev
     const size_t code_bytes = (size_t)((T * K + 63) / 64 * 64);
     const size_t per_block = (size_t)(T * blocks * 4);
     const Q8Activations a = {aligned_alloc(64, code_bytes), aligned_alloc(64, code_bytes), malloc(per_block),
-                             malloc(per_block), malloc(per_block)};
+                             malloc(per_block), malloc(per_block), malloc(per_block)};
 #pragma omp parallel for schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++)
-        quantize_q8(x + t * K, K, levels, a.q1 + t * K, a.q2 + t * K, a.d + t * blocks, a.sum + t * blocks,
-                    a.first_half + t * blocks);
+        quantize_q8(x + t * K, K, levels, a.q1 + t * K, a.q2 + t * K, a.d + t * blocks, a.d_sum + t * blocks,
+                    a.sum + t * blocks, a.first_half + t * blocks);
     return a;
 }
 
@@ -264,6 +266,7 @@ static void free_activations(Q8Activations a) {
     free(a.q1);
     free(a.q2);
     free(a.d);
+    free(a.d_sum);
     free(a.sum);
     free(a.first_half);
 }
@@ -277,7 +280,6 @@ static void free_activations(Q8Activations a) {
 typedef __m512i rows_t;
 typedef __m512 sums_t;
 typedef __m256i half_scales_t; /* VECTOR_ROWS fp16 */
-#define ONE_TOKEN_VECTORS 2 /* 32 rows a one-token tile: 18 tiles of a 576-row projection for 2 threads */
 #else
 #define VECTOR_ROWS 8
 #define RV(op) _mm256_##op
@@ -285,8 +287,11 @@ typedef __m256i half_scales_t; /* VECTOR_ROWS fp16 */
 typedef __m256i rows_t;
 typedef __m256 sums_t;
 typedef __m128i half_scales_t;
-#define ONE_TOKEN_VECTORS 4
 #endif
+/* vectors of rows a one-token tile takes: with AVX-512 32 rows, 18 tiles of a 576-row projection for 2 threads; with
+ * AVX2 16 (four vectors, once the tiles' vectors were unrolled, spilled the token's broadcasts: at one token on Zen 3
+ * two took 0.75-0.9x their time for Q4_K, Q6_K, int5, Q8_0) */
+#define ONE_TOKEN_VECTORS 2
 static inline rows_t load_rows(const uint8_t *p) { return RV_SI(loadu)((const rows_t *)p); }
 static inline rows_t four_codes(const int8_t *x) { int32_t v; memcpy(&v, x, 4); return RV(set1_epi32)(v); }
 static inline rows_t low_nibbles(rows_t v) { return RV_SI(and)(v, RV(set1_epi8)(15)); }
@@ -299,43 +304,37 @@ static inline sums_t row_scales(const uint8_t *p) {
 #define GROUP_VECTORS (GROUP_ROWS / VECTOR_ROWS)
 
 /* Each format's row groups, in units of one block of 32 inputs (Q4_K's: a super-block's 8, their codes one after
- * another, 4 chunks each, then its scales), for one vector of rows: a block's 8 vectors of codes (FORMAT_rows from
+ * another, 4 chunks each, then its scales), for one vector of rows: a block's 8 chunks of codes (code_chunk from
  * `codes`, the block's advanced to that vector: chunk c, inputs 4c .. 4c + 3), its scales (FORMAT_scales: block j of
- * the unit) and what one token's block adds to the rows' sums (FORMAT_token). */
+ * the unit) and what the tokens' blocks add to the rows' sums (FORMAT_tokens). */
 typedef struct {
     sums_t first, second; /* int4, int5: d, m; Q4_K: d', m'; Q8_0: d; Q6_K: d' of inputs 0-15, of 16-31 */
 } RowScales;
 
-/* How a format's weight codes meet the input codes (level_sum): unsigned nibbles, Q8_0's codes + 128, unsigned
- * codes of 5 or 6 bits */
-enum { NIBBLE_CODES, Q8_0_CODES, WIDE_CODES };
+/* A format's weight codes: unsigned nibbles (int4, Q4_K), unsigned 5-bit codes (int5), unsigned 6-bit (Q6_K), Q8_0's
+ * codes + 128 */
+enum { INT4_CODES, INT5_CODES, Q6_CODES, Q8_0_CODES };
 
-static inline void q4_groups_rows(const uint8_t *codes, rows_t w[8]) {
-    for (int c = 0; c < 4; c++) {
-        const rows_t both = load_rows(codes + c * GROUP_CHUNK);
-        w[c] = low_nibbles(both);
-        w[4 + c] = high_nibbles(both); /* inputs 16 + 4c .. 16 + 4c + 3 */
-    }
-}
-static inline void q8_groups_rows(const uint8_t *codes, rows_t w[8]) {
-    for (int c = 0; c < 8; c++) w[c] = load_rows(codes + c * GROUP_CHUNK);
-}
-static inline void q5_groups_rows(const uint8_t *codes, rows_t w[8]) {
-    q4_groups_rows(codes, w);
-    const rows_t fifths = load_rows(codes + 4 * GROUP_CHUNK), fifth = RV(set1_epi8)(0x10);
-    for (int c = 0; c < 8; c++) { /* code chunk c's fifth bits are bits c: to bit 4 of each byte */
+/* Chunk c of a block's codes for one vector of rows (inputs 4c .. 4c + 3, a lane a row), unpacked from the block's
+ * bytes `codes` (advanced to that vector): int4's low nibbles of chunk c, high ones of chunk c - 4 (inputs 16 ..);
+ * int5's with bit c of the fifths chunk as their bit 4; Q6_K's with bits 2k of high-pair chunk 4 + c / 4 (k = c % 4)
+ * as their bits 4-5. One chunk at a time: only the chunk in use occupies a register. */
+INLINED rows_t code_chunk(const uint8_t *codes, int c, int kind) {
+    if (kind == Q8_0_CODES) return load_rows(codes + c * GROUP_CHUNK);
+    const rows_t both = load_rows(codes + c % 4 * GROUP_CHUNK);
+    const rows_t nibbles = c < 4 ? low_nibbles(both) : high_nibbles(both);
+    if (kind == INT5_CODES) {
+        const rows_t fifths = load_rows(codes + 4 * GROUP_CHUNK);
         const rows_t at_four = c < 4 ? RV(slli_epi16)(fifths, 4 - c) : RV(srli_epi16)(fifths, c - 4);
-        w[c] = RV_SI(or)(w[c], RV_SI(and)(at_four, fifth));
+        return RV_SI(or)(nibbles, RV_SI(and)(at_four, RV(set1_epi8)(0x10)));
     }
-}
-static inline void q6_groups_rows(const uint8_t *codes, rows_t w[8]) {
-    q4_groups_rows(codes, w);
-    for (int p = 0; p < 2; p++) {
-        const rows_t pairs = load_rows(codes + (4 + p) * GROUP_CHUNK), top = RV(set1_epi8)(0x30);
-        /* code chunk 4p + k's pairs are bits 2k: to bits 4-5 of each byte (a 16-bit shift, then the mask) */
-        const rows_t at_top[4] = {RV(slli_epi16)(pairs, 4), RV(slli_epi16)(pairs, 2), pairs, RV(srli_epi16)(pairs, 2)};
-        for (int k = 0; k < 4; k++) w[4 * p + k] = RV_SI(or)(w[4 * p + k], RV_SI(and)(at_top[k], top));
+    if (kind == Q6_CODES) {
+        const rows_t pairs = load_rows(codes + (4 + c / 4) * GROUP_CHUNK);
+        const int k = c % 4; /* a 16-bit shift of bits 2k to bits 4-5, then the mask */
+        const rows_t at_top = k < 3 ? RV(slli_epi16)(pairs, 4 - 2 * k) : RV(srli_epi16)(pairs, 2);
+        return RV_SI(or)(nibbles, RV_SI(and)(at_top, RV(set1_epi8)(0x30)));
     }
+    return nibbles;
 }
 
 static inline RowScales d_and_m(const uint8_t *scales, int64_t half) { /* the group's 16 fp16 d, then 16 m */
@@ -368,69 +367,127 @@ static inline RowScales q6_groups_scales(const uint8_t *block, int j, int64_t ha
     return (RowScales){RV(mul_ps)(d, int8_scales(sc)), RV(mul_ps)(d, int8_scales(sc + GROUP_ROWS))}; /* exact */
 }
 
-/* Per row, the products of CHUNKS chunks of weight codes w and one level of one token's input codes x, summed
- * exactly. */
-static inline rows_t level_sum(const rows_t *w, int chunks, const int8_t *x, int codes) {
+/* tokens a tile of one vector of rows takes (its codes unpacked once for them): 8 with AVX-512's 32 registers (Q6_K
+ * 7% faster at 32 tokens than 4, int4 2%), 4 with AVX2's 16 */
+#if VECTOR_ROWS == 16
+#define ROWS_TOKEN_TILE 8
+#else
+#define ROWS_TOKEN_TILE 4
+#endif
+
+/* A running sum kept a chain, one add after another: with several tokens GCC otherwise rebalances the adds of each
+ * token's products into a tree, all the products live at once, spilled to the stack (Q4_K at 32 tokens: 1.5x the
+ * time). One token's tree fits the registers, and its depth is shorter than the chain. */
+static inline void chained(rows_t *sum) { __asm__("" : "+v"(*sum)); }
+
+/* Per row and token, the products of CHUNKS chunks of weight codes (from chunk FIRST of `codes`) and one level of
+ * `tokens` tokens' input codes (x[t]: the token's codes of those chunks), summed exactly into sums[t]. Chunk by chunk:
+ * each chunk of weights meets every token while in a register, and the tokens' sums are independent chains. */
+INLINED void level_sums(const uint8_t *codes, int first, int chunks, const int8_t *const *x, int tokens, int kind,
+                        rows_t *sums) {
+    rows_t w[8]; /* one token: the block's chunks unpacked first, their loads all issued before any product */
+    if (tokens == 1) for (int j = 0; j < chunks; j++) w[j] = code_chunk(codes, first + j, kind);
+#define CHUNK(j) (tokens == 1 ? w[j] : code_chunk(codes, first + (j), kind))
 #if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
-    (void)codes;
-    rows_t even = _mm512_setzero_si512(), odd = _mm512_setzero_si512(); /* two chains: dpbusd's latency */
+    rows_t even[ROWS_TOKEN_TILE], odd[ROWS_TOKEN_TILE]; /* two chains a token: dpbusd's latency */
+    for (int t = 0; t < tokens; t++) even[t] = odd[t] = _mm512_setzero_si512();
     for (int j = 0; j < chunks; j += 2) {
-        even = _mm512_dpbusd_epi32(even, w[j], four_codes(x + 4 * j));
-        odd = _mm512_dpbusd_epi32(odd, w[j + 1], four_codes(x + 4 * j + 4));
+        const rows_t pair[2] = {CHUNK(j), CHUNK(j + 1)};
+        for (int t = 0; t < tokens; t++) {
+            even[t] = _mm512_dpbusd_epi32(even[t], pair[0], four_codes(x[t] + 4 * j));
+            odd[t] = _mm512_dpbusd_epi32(odd[t], pair[1], four_codes(x[t] + 4 * j + 4));
+        }
     }
-    return _mm512_add_epi32(even, odd); /* Q8_0: Σ (w + 128) x; block_sum takes the 128 Σ x back */
+    /* Q8_0: Σ (w + 128) x */
+    for (int t = 0; t < tokens; t++) sums[t] = _mm512_add_epi32(even[t], odd[t]);
 #else
     const rows_t ones = RV(set1_epi16)(1);
-    if (codes == NIBBLE_CODES) { /* u4 x s8 pairs are at most 3840: 8 of them still fit int16 */
-        rows_t pairs = RV(maddubs_epi16)(w[0], four_codes(x));
-        for (int j = 1; j < chunks; j++) pairs = RV(add_epi16)(pairs, RV(maddubs_epi16)(w[j], four_codes(x + 4 * j)));
-        return RV(madd_epi16)(pairs, ones);
-    }
-    rows_t sum = RV_SI(setzero)();
-    if (codes == WIDE_CODES) { /* u5, u6 x s8 pairs are at most 16002: 2 of them fit int16 */
-        for (int j = 0; j < chunks; j += 2) {
-            const rows_t pairs = RV(add_epi16)(RV(maddubs_epi16)(w[j], four_codes(x + 4 * j)),
-                                               RV(maddubs_epi16)(w[j + 1], four_codes(x + 4 * j + 4)));
-            sum = RV(add_epi32)(sum, RV(madd_epi16)(pairs, ones));
+    if (kind == INT4_CODES) { /* u4 x s8 pairs are at most 3840: 8 of them still fit int16 */
+        rows_t pairs[ROWS_TOKEN_TILE];
+        for (int j = 0; j < chunks; j++) {
+            const rows_t chunk = CHUNK(j);
+            for (int t = 0; t < tokens; t++) {
+                const rows_t products = RV(maddubs_epi16)(chunk, four_codes(x[t] + 4 * j));
+                pairs[t] = j ? RV(add_epi16)(pairs[t], products) : products;
+                if (tokens > 1) chained(&pairs[t]);
+            }
         }
-        return sum;
+        for (int t = 0; t < tokens; t++) sums[t] = RV(madd_epi16)(pairs[t], ones);
+        return;
+    }
+    for (int t = 0; t < tokens; t++) sums[t] = RV_SI(setzero)();
+    if (kind != Q8_0_CODES) { /* u5, u6 x s8 pairs are at most 16002: 2 of them fit int16 */
+        for (int j = 0; j < chunks; j += 2) {
+            const rows_t pair[2] = {CHUNK(j), CHUNK(j + 1)};
+            for (int t = 0; t < tokens; t++) {
+                const rows_t pairs = RV(add_epi16)(RV(maddubs_epi16)(pair[0], four_codes(x[t] + 4 * j)),
+                                                   RV(maddubs_epi16)(pair[1], four_codes(x[t] + 4 * j + 4)));
+                sums[t] = RV(add_epi32)(sums[t], RV(madd_epi16)(pairs, ones));
+                if (tokens > 1) chained(&sums[t]);
+            }
+        }
+        return;
     }
     /* Q8_0: signed weights again; their magnitudes against x with their signs (maddubs takes u8 x s8) */
     for (int j = 0; j < chunks; j++) {
-        const rows_t signed_w = RV_SI(xor)(w[j], RV(set1_epi8)(-128)), x4 = four_codes(x + 4 * j);
+        const rows_t signed_w = RV_SI(xor)(CHUNK(j), RV(set1_epi8)(-128));
+        const rows_t magnitudes = RV(abs_epi8)(signed_w);
 #if VECTOR_ROWS == 16
-        const rows_t signed_x = _mm512_mask_sub_epi8(x4, _mm512_movepi8_mask(signed_w), _mm512_setzero_si512(), x4);
+        const __mmask64 negative = _mm512_movepi8_mask(signed_w);
+#endif
+        for (int t = 0; t < tokens; t++) {
+            const rows_t x4 = four_codes(x[t] + 4 * j);
+#if VECTOR_ROWS == 16
+            const rows_t signed_x = _mm512_mask_sub_epi8(x4, negative, _mm512_setzero_si512(), x4);
 #else
-        const rows_t signed_x = _mm256_sign_epi8(x4, signed_w);
+            const rows_t signed_x = _mm256_sign_epi8(x4, signed_w);
 #endif
-        sum = RV(add_epi32)(sum, RV(madd_epi16)(RV(maddubs_epi16)(RV(abs_epi8)(signed_w), signed_x), ones));
+            sums[t] = RV(add_epi32)(sums[t], RV(madd_epi16)(RV(maddubs_epi16)(magnitudes, signed_x), ones));
+            if (tokens > 1) chained(&sums[t]);
+        }
     }
-    return sum;
 #endif
+#undef CHUNK
 }
 
-/* 256 Σ w q1 + Σ w q2 per row over CHUNKS chunks (int4, int5, Q8_0: at most 32 · 255 · 127 · 257; Q6_K: 16 · 63 ·
- * 127 · 257, 32 Σ x back: within int32); with one level q2 is 0, its products skipped. */
-static inline rows_t two_level_sum(const rows_t *w, int chunks, const int8_t *x1, const int8_t *x2, int codes,
-                                   int levels) {
-    const rows_t first = RV(slli_epi32)(level_sum(w, chunks, x1, codes), SECOND_LEVEL_BITS);
-    return levels == 1 ? first : RV(add_epi32)(first, level_sum(w, chunks, x2, codes));
+/* 256 Σ w q1 + Σ w q2 per row and token over CHUNKS chunks from chunk FIRST of the tokens' blocks `at` (int4, int5,
+ * Q8_0: at most 32 · 255 · 127 · 257; Q6_K: 16 · 63 · 127 · 257, 32 Σ x back: within int32); with one level Σ w q1,
+ * as the activations' scales and sums then count. */
+INLINED void two_level_sums(const uint8_t *codes, int first, int chunks, Q8Activations x, const int64_t *at, int tokens,
+                            int kind, int levels, rows_t *sums) {
+    const int8_t *x1[ROWS_TOKEN_TILE], *x2[ROWS_TOKEN_TILE];
+    for (int t = 0; t < tokens; t++) {
+        x1[t] = x.q1 + at[t] * QUANT_BLOCK + 4 * first;
+        x2[t] = x.q2 + at[t] * QUANT_BLOCK + 4 * first;
+    }
+    level_sums(codes, first, chunks, x1, tokens, kind, sums);
+    if (levels == 1) return;
+    for (int t = 0; t < tokens; t++) sums[t] = RV(slli_epi32)(sums[t], SECOND_LEVEL_BITS);
+    rows_t second[ROWS_TOKEN_TILE];
+    level_sums(codes, first, chunks, x2, tokens, kind, second);
+    for (int t = 0; t < tokens; t++) sums[t] = RV(add_epi32)(sums[t], second[t]);
 }
 
-/* One token's block of 32: acc + (d dx / 256) Σ + m sx (sx = dx / 256 · Σ x). */
-static inline sums_t scale_min_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
-                                     int codes, int levels) {
-    const rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, codes, levels);
-    acc = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(s.first, RV(set1_ps)(x.d[at])), acc);
-    return RV(fmadd_ps)(s.second, RV(set1_ps)(x.d[at] * (float)x.sum[at]), acc);
+/* FORMAT_tokens: what the tokens' blocks `at` add to the rows' sums acc[t], given the block's weight `codes` and
+ * scales s. Every tile shape calls it with its own number of tokens, the arithmetic per (row, token) the same. */
+
+/* acc + (d dx / 256) Σ + m sx (sx = dx / 256 · Σ x) */
+INLINED void scale_min_tokens(const uint8_t *codes, RowScales s, Q8Activations x, const int64_t *at, sums_t *acc,
+                              int tokens, int kind, int levels) {
+    rows_t sums[ROWS_TOKEN_TILE];
+    two_level_sums(codes, 0, 8, x, at, tokens, kind, levels, sums);
+    for (int t = 0; t < tokens; t++) {
+        acc[t] = RV(fmadd_ps)(RV(cvtepi32_ps)(sums[t]), RV(mul_ps)(s.first, RV(set1_ps)(x.d[at[t]])), acc[t]);
+        acc[t] = RV(fmadd_ps)(s.second, RV(set1_ps)(x.d_sum[at[t]]), acc[t]);
+    }
 }
-static inline sums_t q4_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
-                                     int levels) {
-    return scale_min_token(w, s, x, at, acc, NIBBLE_CODES, levels);
+INLINED void q4_groups_tokens(const uint8_t *codes, RowScales s, Q8Activations x, const int64_t *at, sums_t *acc,
+                              int tokens, int levels) {
+    scale_min_tokens(codes, s, x, at, acc, tokens, INT4_CODES, levels);
 }
-static inline sums_t q5_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
-                                     int levels) {
-    return scale_min_token(w, s, x, at, acc, WIDE_CODES, levels);
+INLINED void q5_groups_tokens(const uint8_t *codes, RowScales s, Q8Activations x, const int64_t *at, sums_t *acc,
+                              int tokens, int levels) {
+    scale_min_tokens(codes, s, x, at, acc, tokens, INT5_CODES, levels);
 }
 
 /* Q4_K's super-blocks: d' = d·sc and m' = −dmin·mn of block j, exact in fp32 (gguf's numbers); its codes are int4's */
@@ -440,32 +497,35 @@ static inline RowScales q4_k_groups_scales(const uint8_t *unit, int j, int64_t h
     return (RowScales){RV(mul_ps)(d.first, int8_scales(row + Q4_K_GROUP_SC)),
                        RV(sub_ps)(RV(setzero_ps)(), RV(mul_ps)(d.second, int8_scales(row + Q4_K_GROUP_MN)))};
 }
-#define q4_k_groups_rows q4_groups_rows
-#define q4_k_groups_token q4_groups_token
+#define q4_k_groups_tokens q4_groups_tokens
 /* acc + (d dx / 256) Σ */
-static inline sums_t q8_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
-                                     int levels) {
-    rows_t sum = two_level_sum(w, 8, x.q1 + at * QUANT_BLOCK, x.q2 + at * QUANT_BLOCK, Q8_0_CODES, levels);
+INLINED void q8_groups_tokens(const uint8_t *codes, RowScales s, Q8Activations x, const int64_t *at, sums_t *acc,
+                              int tokens, int levels) {
+    rows_t sums[ROWS_TOKEN_TILE];
+    two_level_sums(codes, 0, 8, x, at, tokens, Q8_0_CODES, levels, sums);
+    for (int t = 0; t < tokens; t++) {
 #if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
-    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x.sum[at])); /* Σ (w + 128) x − 128 Σ x */
+        sums[t] = _mm512_sub_epi32(sums[t], _mm512_set1_epi32(128 * x.sum[at[t]])); /* Σ (w + 128) x − 128 Σ x */
 #endif
-    return RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(s.first, RV(set1_ps)(x.d[at])), acc);
+        acc[t] = RV(fmadd_ps)(RV(cvtepi32_ps)(sums[t]), RV(mul_ps)(s.first, RV(set1_ps)(x.d[at[t]])), acc[t]);
+    }
 }
 /* acc + Σ over the block's two 16s of (d' dx / 256) (Σ q x − 32 Σ x), q the unsigned 6-bit code */
-static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activations x, int64_t at, sums_t acc,
-                                     int levels) {
-    const int8_t *x1 = x.q1 + at * QUANT_BLOCK, *x2 = x.q2 + at * QUANT_BLOCK;
-    const int32_t x_sums[2] = {x.first_half[at], x.sum[at] - x.first_half[at]};
+INLINED void q6_groups_tokens(const uint8_t *codes, RowScales s, Q8Activations x, const int64_t *at, sums_t *acc,
+                              int tokens, int levels) {
     const sums_t scales[2] = {s.first, s.second};
     for (int h = 0; h < 2; h++) {
-        const rows_t sum = RV(sub_epi32)(two_level_sum(w + 4 * h, 4, x1 + 16 * h, x2 + 16 * h, WIDE_CODES, levels),
-                                         RV(set1_epi32)(32 * x_sums[h]));
-        acc = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(scales[h], RV(set1_ps)(x.d[at])), acc);
+        rows_t sums[ROWS_TOKEN_TILE];
+        two_level_sums(codes, 4 * h, 4, x, at, tokens, Q6_CODES, levels, sums);
+        for (int t = 0; t < tokens; t++) {
+            const int32_t x_sum = h ? x.sum[at[t]] - x.first_half[at[t]] : x.first_half[at[t]];
+            const rows_t sum = RV(sub_epi32)(sums[t], RV(set1_epi32)(32 * x_sum));
+            acc[t] = RV(fmadd_ps)(RV(cvtepi32_ps)(sum), RV(mul_ps)(scales[h], RV(set1_ps)(x.d[at[t]])), acc[t]);
+        }
     }
-    return acc;
 }
 
-/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row], block by block (FORMAT_token), with
+/* VECTORS vectors of rows (from vector v0) x TOKENS tokens (from t0): y[t][row], block by block (FORMAT_tokens), with
  * LEVELS levels of activation codes. */
 #define ROWS_TILE_(NAME, VECTORS, TOKENS, LEVELS) NAME##_rows_##VECTORS##x##TOKENS##_##LEVELS
 #define ROWS_TILE(NAME, VECTORS, TOKENS, LEVELS) ROWS_TILE_(NAME, VECTORS, TOKENS, LEVELS)
@@ -481,17 +541,17 @@ static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activatio
         for (int64_t u = 0; u < units; u++) {                                                                   \
             _Pragma("GCC unroll 8") for (int j = 0; j < (UNIT_BLOCKS); j++) { /* a unit's shared scales once */ \
                 const int64_t b = u * (UNIT_BLOCKS) + j;                                                        \
-                for (int v = 0; v < VECTORS; v++) {                                                             \
+                _Pragma("GCC unroll 8") for (int v = 0; v < VECTORS; v++) { /* acc[v] in registers */          \
                     const int64_t vector = v0 + v, half = vector % GROUP_VECTORS;                               \
                     const uint8_t *unit = weights + ((vector / GROUP_VECTORS) * units + u) * (UNIT_BYTES);      \
                     if (half == 0) /* the unit's bytes, a block's share at a time */                            \
                         prefetch_lines(unit + j * ((UNIT_BYTES) / (UNIT_BLOCKS)) + PREFETCH_AHEAD,              \
                                        (UNIT_BYTES) / (UNIT_BLOCKS), weights_end);                              \
-                    rows_t w[8];                                                                                \
-                    FORMAT##_rows(unit + j * 4 * GROUP_CHUNK + half * VECTOR_ROWS * 4, w);                      \
+                    const uint8_t *codes = unit + j * 4 * GROUP_CHUNK + half * VECTOR_ROWS * 4;                 \
                     const RowScales scales = FORMAT##_scales(unit, j, half);                                    \
-                    for (int t = 0; t < TOKENS; t++)                                                            \
-                        acc[v][t] = FORMAT##_token(w, scales, x, (t0 + t) * blocks + b, acc[v][t], LEVELS);     \
+                    int64_t at[TOKENS];                                                                         \
+                    for (int t = 0; t < TOKENS; t++) at[t] = (t0 + t) * blocks + b;                             \
+                    FORMAT##_tokens(codes, scales, x, at, acc[v], TOKENS, LEVELS);                                  \
                 }                                                                                               \
             }                                                                                                   \
         }                                                                                                       \
@@ -509,14 +569,6 @@ static inline sums_t q6_groups_token(const rows_t w[8], RowScales s, Q8Activatio
             }                                                                                                   \
         }                                                                                                       \
     }
-
-/* tokens a tile of one vector of rows takes (its codes unpacked once for them): 8 with AVX-512's 32 registers (Q6_K
- * 7% faster at 32 tokens than 4, int4 2%), 4 with AVX2's 16 */
-#if VECTOR_ROWS == 16
-#define ROWS_TOKEN_TILE 8
-#else
-#define ROWS_TOKEN_TILE 4
-#endif
 
 /* NAME's work with LEVELS levels of activation codes, x quantized as `a` */
 #define ROWS_MATMUL_LEVELS(NAME, FORMAT, UNIT_BYTES, UNIT_BLOCKS, LEVELS)                                     \

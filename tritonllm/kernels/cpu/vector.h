@@ -9,6 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* a helper inlined whatever its size: the register tiles it is part of are only tiles once inlined */
+#define INLINED static inline __attribute__((always_inline))
+
 #if defined(__AVX512F__)
 #define VLEN 16
 #define ROW_TILE 6   /* 6 rows x 4 tokens of accumulators + 6 weight vectors: 31 of AVX-512's 32 registers */
