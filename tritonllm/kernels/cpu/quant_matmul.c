@@ -385,14 +385,11 @@ static inline void chained(rows_t *sum) { __asm__("" : "+v"(*sum)); }
  * each chunk of weights meets every token while in a register, and the tokens' sums are independent chains. */
 INLINED void level_sums(const uint8_t *codes, int first, int chunks, const int8_t *const *x, int tokens, int kind,
                         rows_t *sums) {
-    rows_t w[8]; /* one token: the block's chunks unpacked first, their loads all issued before any product */
-    if (tokens == 1) for (int j = 0; j < chunks; j++) w[j] = code_chunk(codes, first + j, kind);
-#define CHUNK(j) (tokens == 1 ? w[j] : code_chunk(codes, first + (j), kind))
 #if defined(__AVX512VNNI__) && VECTOR_ROWS == 16
     rows_t even[ROWS_TOKEN_TILE], odd[ROWS_TOKEN_TILE]; /* two chains a token: dpbusd's latency */
     for (int t = 0; t < tokens; t++) even[t] = odd[t] = _mm512_setzero_si512();
     for (int j = 0; j < chunks; j += 2) {
-        const rows_t pair[2] = {CHUNK(j), CHUNK(j + 1)};
+        const rows_t pair[2] = {code_chunk(codes, first + j, kind), code_chunk(codes, first + j + 1, kind)};
         for (int t = 0; t < tokens; t++) {
             even[t] = _mm512_dpbusd_epi32(even[t], pair[0], four_codes(x[t] + 4 * j));
             odd[t] = _mm512_dpbusd_epi32(odd[t], pair[1], four_codes(x[t] + 4 * j + 4));
@@ -405,7 +402,7 @@ INLINED void level_sums(const uint8_t *codes, int first, int chunks, const int8_
     if (kind == INT4_CODES) { /* u4 x s8 pairs are at most 3840: 8 of them still fit int16 */
         rows_t pairs[ROWS_TOKEN_TILE];
         for (int j = 0; j < chunks; j++) {
-            const rows_t chunk = CHUNK(j);
+            const rows_t chunk = code_chunk(codes, first + j, kind);
             for (int t = 0; t < tokens; t++) {
                 const rows_t products = RV(maddubs_epi16)(chunk, four_codes(x[t] + 4 * j));
                 pairs[t] = j ? RV(add_epi16)(pairs[t], products) : products;
@@ -418,7 +415,7 @@ INLINED void level_sums(const uint8_t *codes, int first, int chunks, const int8_
     for (int t = 0; t < tokens; t++) sums[t] = RV_SI(setzero)();
     if (kind != Q8_0_CODES) { /* u5, u6 x s8 pairs are at most 16002: 2 of them fit int16 */
         for (int j = 0; j < chunks; j += 2) {
-            const rows_t pair[2] = {CHUNK(j), CHUNK(j + 1)};
+            const rows_t pair[2] = {code_chunk(codes, first + j, kind), code_chunk(codes, first + j + 1, kind)};
             for (int t = 0; t < tokens; t++) {
                 const rows_t pairs = RV(add_epi16)(RV(maddubs_epi16)(pair[0], four_codes(x[t] + 4 * j)),
                                                    RV(maddubs_epi16)(pair[1], four_codes(x[t] + 4 * j + 4)));
@@ -430,7 +427,7 @@ INLINED void level_sums(const uint8_t *codes, int first, int chunks, const int8_
     }
     /* Q8_0: signed weights again; their magnitudes against x with their signs (maddubs takes u8 x s8) */
     for (int j = 0; j < chunks; j++) {
-        const rows_t signed_w = RV_SI(xor)(CHUNK(j), RV(set1_epi8)(-128));
+        const rows_t signed_w = RV_SI(xor)(code_chunk(codes, first + j, kind), RV(set1_epi8)(-128));
         const rows_t magnitudes = RV(abs_epi8)(signed_w);
 #if VECTOR_ROWS == 16
         const __mmask64 negative = _mm512_movepi8_mask(signed_w);
@@ -447,7 +444,6 @@ INLINED void level_sums(const uint8_t *codes, int first, int chunks, const int8_
         }
     }
 #endif
-#undef CHUNK
 }
 
 /* 256 Σ w q1 + Σ w q2 per row and token over CHUNKS chunks from chunk FIRST of the tokens' blocks `at` (int4, int5,
